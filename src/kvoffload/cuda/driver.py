@@ -1,0 +1,155 @@
+"""Thin access to the CUDA driver API through cuda-bindings (cuda-python).
+
+cuda-bindings serves here for what it is good at: resolving entry points
+(``cuGetProcAddress``), host registration, error names, and the layout of
+``CUmemcpyAttributes``. The batched copy itself is called through ctypes with
+numpy address arrays, because building a list of Python objects per
+descriptor costs more CPU than the copy is worth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CudaError", "driver", "check", "host_register", "host_unregister", "BatchCopy"]
+
+log = logging.getLogger("kvoffload")
+
+# cuMemcpyBatchAsync appeared in CUDA 12.8 with a trailing ``failIdx`` argument
+# that CUDA 13 removed. Asking cuGetProcAddress for the 12.8 ABI gets a
+# function with the 12.8 signature on every driver that has one.
+BATCH_ABI_VERSION = 12080
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+    def __init__(self, call: str, code: int, name: str, text: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code}): {text}")
+        self.code = code
+
+
+@lru_cache(maxsize=1)
+def driver() -> Any:
+    """The ``cuda.bindings.driver`` module, imported on first use."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("CUDA caches need cuda-bindings: pip install 'cuda-bindings>=12.8'") from e
+    (err,) = cu.cuInit(0)
+    check("cuInit", err)
+    return cu
+
+
+def check(call: str, err: Any) -> None:
+    """Raise :class:`CudaError` unless ``err`` is CUDA_SUCCESS."""
+    code = int(err)
+    if code == 0:
+        return
+    cu = driver()
+    _, name = cu.cuGetErrorName(err)
+    _, text = cu.cuGetErrorString(err)
+    raise CudaError(call, code, (name or b"?").decode(), (text or b"?").decode())
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts)."""
+    cu = driver()
+    (err,) = cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+    check("cuMemHostRegister", err)
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo :func:`host_register`."""
+    cu = driver()
+    (err,) = cu.cuMemHostUnregister(ptr)
+    check("cuMemHostUnregister", err)
+
+
+def driver_version() -> int:
+    """The driver's CUDA version, e.g. 13000."""
+    cu = driver()
+    err, v = cu.cuDriverGetVersion()
+    check("cuDriverGetVersion", err)
+    return int(v)
+
+
+class BatchCopy:
+    """Enqueue many pointer-to-pointer copies on a stream in one driver call.
+
+    Uses ``cuMemcpyBatchAsync`` (12.8 ABI) where the driver has it, else one
+    ``cuMemcpyAsync`` per copy. ``use_batch=False`` forces the fallback (tests).
+    The stream must not be the legacy default stream.
+    """
+
+    def __init__(self, use_batch: bool = True) -> None:
+        cu = driver()
+        self._cu = cu
+        self._fn = self._resolve_batch() if use_batch else None
+        attrs = cu.CUmemcpyAttributes()
+        attrs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attrs.flags = 0
+        self._attrs = attrs  # kept alive: its memory is passed by address
+        self._attrs_idx = np.zeros(1, dtype=np.uintp)
+        self._fail_idx = ctypes.c_size_t(0)
+
+    @property
+    def batched(self) -> bool:
+        """True when copies go through cuMemcpyBatchAsync."""
+        return self._fn is not None
+
+    def _resolve_batch(self) -> Any:
+        cu = self._cu
+        if driver_version() < BATCH_ABI_VERSION:
+            log.info("driver older than CUDA 12.8: using cuMemcpyAsync per copy")
+            return None
+        err, pfn, _status = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_ABI_VERSION, cu.CU_GET_PROC_ADDRESS_DEFAULT)
+        if int(err) != 0 or not int(pfn):
+            log.info("cuMemcpyBatchAsync not available: using cuMemcpyAsync per copy")
+            return None
+        proto = ctypes.CFUNCTYPE(
+            ctypes.c_int,
+            ctypes.c_void_p,  # CUdeviceptr* dsts
+            ctypes.c_void_p,  # CUdeviceptr* srcs
+            ctypes.c_void_p,  # size_t* sizes
+            ctypes.c_size_t,  # count
+            ctypes.c_void_p,  # CUmemcpyAttributes* attrs
+            ctypes.c_void_p,  # size_t* attrsIdxs
+            ctypes.c_size_t,  # numAttrs
+            ctypes.c_void_p,  # size_t* failIdx (12.8 ABI)
+            ctypes.c_void_p,  # CUstream
+        )
+        return proto(int(pfn))
+
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Copy ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i, in stream order."""
+        n = len(sizes)
+        if n == 0:
+            return
+        if self._fn is not None:
+            dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
+            srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
+            sizes = np.ascontiguousarray(sizes, dtype=np.uintp)
+            err = self._fn(
+                dsts.ctypes.data,
+                srcs.ctypes.data,
+                sizes.ctypes.data,
+                n,
+                self._attrs.getPtr(),
+                self._attrs_idx.ctypes.data,
+                1,
+                ctypes.addressof(self._fail_idx),
+                stream,
+            )
+            if err != 0:
+                check(f"cuMemcpyBatchAsync (copy {self._fail_idx.value} of {n})", err)
+            return
+        cu = self._cu
+        for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            (err,) = cu.cuMemcpyAsync(d, s, z, stream)
+            check("cuMemcpyAsync", err)

@@ -1,0 +1,137 @@
+"""Bridges that turn CUDA event completion into awaitable futures on a worker loop.
+
+Each worker loop owns one bridge, and every event it watches was recorded on
+that loop's copy stream, so events complete in the order they are watched.
+
+Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
+
+* :class:`ThreadBridge` - a waiter thread blocks on blocking-sync events
+  (``cudaEventBlockingSync``: the thread sleeps in the driver, no spinning),
+  and wakes the loop once for every run of completions it finds. Costs one
+  cross-thread wake-up per completion batch and no CPU while waiting.
+* :class:`PollBridge` - the loop polls ``event.query()``: it spins
+  (``sleep(0)``) for ``spin_s`` after work is added or completes, then ticks
+  every millisecond. No thread hop, so the lowest latency for short copies,
+  but a core is busy while it spins. Nothing runs while no event is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Protocol
+
+__all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge"]
+
+
+class CompletionBridge(Protocol):
+    """Turns an event into a future of the loop the bridge serves."""
+
+    def watch(self, event: Any) -> asyncio.Future[None]:
+        """A future that completes when ``event`` has completed. Call on the bridge's loop."""
+        ...
+
+    def close(self) -> None:
+        """Stop any helper thread; pending futures are left as they are."""
+        ...
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _resolve_all(futs: list[asyncio.Future[None]]) -> None:
+    for fut in futs:
+        _resolve(fut)
+
+
+class ThreadBridge:
+    """A waiter thread sleeping on blocking-sync events in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "kvoffload-events") -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[tuple[Any, asyncio.Future[None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any) -> asyncio.Future[None]:
+        fut = self._loop.create_future()
+        self._queue.put((event, fut))
+        return fut
+
+    def _run(self) -> None:
+        held: list[tuple[Any, asyncio.Future[None]] | None] = []  # an item taken but not yet complete
+        while True:
+            item = held.pop() if held else self._queue.get()
+            if item is None:
+                return
+            event, fut = item
+            event.synchronize()  # sleeps in the driver; releases the GIL
+            batch = [fut]
+            while True:  # gather every completion already there: one wake-up for all
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or not nxt[0].query():
+                    held.append(nxt)
+                    break
+                batch.append(nxt[1])
+            try:
+                self._loop.call_soon_threadsafe(_resolve_all, batch)
+            except RuntimeError:  # loop closed during shutdown
+                return
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class PollBridge:
+    """The loop polls ``event.query()``: spin briefly, then tick every millisecond."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = 200e-6, tick_s: float = 1e-3) -> None:
+        self._loop = loop
+        self._spin_s = spin_s
+        self._tick_s = tick_s
+        self._pending: deque[tuple[Any, asyncio.Future[None]]] = deque()
+        self._poller: asyncio.Task[None] | None = None
+        self._last_progress = 0.0
+
+    def watch(self, event: Any) -> asyncio.Future[None]:
+        fut = self._loop.create_future()
+        self._pending.append((event, fut))
+        self._last_progress = time.perf_counter()
+        if self._poller is None:
+            self._poller = self._loop.create_task(self._poll())
+        return fut
+
+    async def _poll(self) -> None:
+        try:
+            while self._pending:
+                while self._pending and self._pending[0][0].query():
+                    _resolve(self._pending.popleft()[1])
+                    self._last_progress = time.perf_counter()
+                if not self._pending:
+                    break
+                spinning = time.perf_counter() - self._last_progress < self._spin_s
+                await asyncio.sleep(0 if spinning else self._tick_s)
+        finally:
+            self._poller = None
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+
+def make_bridge(kind: str, loop: asyncio.AbstractEventLoop, name: str) -> CompletionBridge:
+    """Build the bridge named ``kind`` ("thread" or "poll") for ``loop``."""
+    if kind == "thread":
+        return ThreadBridge(loop, name)
+    if kind == "poll":
+        return PollBridge(loop)
+    raise ValueError(f"unknown completion bridge {kind!r}: use 'thread' or 'poll'")

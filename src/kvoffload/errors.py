@@ -1,0 +1,44 @@
+"""The exception tree of kvoffload.
+
+Bad arguments are plain ``TypeError`` / ``ValueError``; everything the library
+itself reports derives from :class:`OffloadError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+__all__ = ["OffloadError", "TransferError", "CapacityError", "MissingKeysError", "ClosedError"]
+
+
+class OffloadError(Exception):
+    """Base class of every error kvoffload raises on its own behalf."""
+
+
+class TransferError(OffloadError):
+    """A transfer failed on an IO or CUDA error; the original error is ``__cause__``.
+
+    The failed transfer publishes none of its unfinished keys; other entries
+    stay intact and the offloader keeps serving.
+    """
+
+
+class CapacityError(OffloadError):
+    """No room could be made: every slot is in use by a running transfer."""
+
+
+class MissingKeysError(OffloadError, KeyError):
+    """A load named keys that are not stored (``missing`` lists them)."""
+
+    def __init__(self, missing: Iterable[Hashable]) -> None:
+        self.missing: tuple[Hashable, ...] = tuple(missing)
+        shown = ", ".join(repr(k) for k in self.missing[:5])
+        more = f" and {len(self.missing) - 5} more" if len(self.missing) > 5 else ""
+        super().__init__(f"{len(self.missing)} key(s) not stored: {shown}{more}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class ClosedError(OffloadError):
+    """The offloader is not running: it was closed, or never started."""

@@ -1,0 +1,64 @@
+"""Page-aligned host memory, pinned for DMA when the cache is on a GPU.
+
+Allocated with an anonymous ``mmap`` (page aligned, no power-of-two rounding as
+torch's pinned allocator does) and page-locked with ``cuMemHostRegister``. If
+pinning fails the error says so: a silently pageable slab would copy at a few
+GB/s instead of tens.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from .errors import OffloadError
+
+__all__ = ["HostBuffer"]
+
+
+class HostBuffer:
+    """``nbytes`` of page-aligned host memory as a ``uint8`` tensor; pinned if ``pin``."""
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self.nbytes = nbytes
+        self.pinned = False
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr() if nbytes else 0
+        if pin and nbytes:
+            from .cuda.driver import CudaError, host_register
+
+            try:
+                host_register(self.address, nbytes)
+            except CudaError as e:
+                self.close()
+                raise OffloadError(
+                    f"could not pin {nbytes / 2**30:.2f} GiB of host memory ({e}); "
+                    "check RLIMIT_MEMLOCK (ulimit -l) and free memory, or use fewer host_blocks"
+                ) from e
+            self.pinned = True
+
+    def close(self) -> None:
+        """Unpin and free the memory. The tensor must no longer be in use."""
+        if self._mmap is None:
+            return
+        if self.pinned:
+            from .cuda.driver import host_unregister
+
+            host_unregister(self.address)
+            self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive somewhere; the GC frees it with the view
+            pass
+        self._mmap = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+

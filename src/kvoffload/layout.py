@@ -1,0 +1,126 @@
+"""Block geometry of a KV cache, and validation of the block mappings users pass.
+
+A *block* is one index along dim 0 across every tensor of ``kv_caches``. In host
+memory and on disk a block lives in one *slot*: the block's bytes of every tensor
+packed back to back, padded to :data:`SLOT_ALIGN` so that a slot can be the
+buffer of an O_DIRECT read or write as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping"]
+
+SLOT_ALIGN = 4096
+"""Slot size and slot addresses are multiples of this (safe for O_DIRECT)."""
+
+
+def round_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Where one tensor's bytes of a block sit inside a slot."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Geometry shared by every tier: block count, bytes per block, slot packing."""
+
+    pieces: tuple[TensorPiece, ...]
+    num_blocks: int
+    block_bytes: int
+    slot_bytes: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, kv_caches: Mapping[str, torch.Tensor]) -> BlockLayout:
+        """Validate ``kv_caches`` and describe its blocks.
+
+        Raises ``TypeError`` for a non-mapping or non-tensor values, ``ValueError``
+        for an empty mapping, zero blocks, differing block counts, tensors on
+        different devices, or tensors whose blocks are not contiguous.
+        """
+        if not isinstance(kv_caches, Mapping):
+            raise TypeError(f"kv_caches must be a mapping of name -> torch.Tensor, got {type(kv_caches).__name__}")
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        pieces = []
+        offset = 0
+        num_blocks = None
+        device = None
+        for name, t in kv_caches.items():
+            if not isinstance(name, str):
+                raise TypeError(f"kv_caches keys must be str, got {type(name).__name__}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv_caches[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() < 1 or t.shape[0] == 0:
+                raise ValueError(f"kv_caches[{name!r}] has no blocks along dim 0 (shape {tuple(t.shape)})")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"kv_caches[{name!r}] is on {t.device}; only cpu and cuda are supported")
+            if num_blocks is None:
+                num_blocks, device = t.shape[0], t.device
+            elif t.shape[0] != num_blocks:
+                raise ValueError(f"kv_caches[{name!r}] has {t.shape[0]} blocks, the first tensor has {num_blocks}")
+            elif t.device != device:
+                raise ValueError(f"kv_caches[{name!r}] is on {t.device}, the first tensor is on {device}")
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"kv_caches[{name!r}] is not contiguous (strides {t.stride()}): each block must be one contiguous run of bytes"
+                )
+            nbytes = t.stride(0) * t.element_size() if t.dim() > 1 else t.element_size()
+            pieces.append(TensorPiece(name, offset, nbytes))
+            offset += nbytes
+        assert num_blocks is not None and device is not None
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return cls(tuple(pieces), int(num_blocks), offset, round_up(offset, SLOT_ALIGN), device)
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when the cache lives in GPU memory."""
+        return self.device.type == "cuda"
+
+    def block_rows(self, kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy)."""
+        return [kv_caches[p.name].view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
+
+
+def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) -> dict[Hashable, int]:
+    """Validate a ``key -> block id`` mapping before anything is queued.
+
+    Returns a plain dict with the ids as ``int``. ``TypeError`` for a non-mapping
+    or a non-integer id; ``ValueError`` for an id outside ``[0, num_blocks)`` or,
+    with ``unique_ids``, two keys naming the same block.
+    """
+    if not isinstance(blocks, Mapping):
+        raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
+    checked: dict[Hashable, int] = {}
+    for key, block in blocks.items():
+        if isinstance(block, bool):
+            raise TypeError(f"block id for key {key!r} must be an integer, got bool")
+        try:
+            bid = operator.index(block)
+        except TypeError:
+            raise TypeError(f"block id for key {key!r} must be an integer, got {type(block).__name__}") from None
+        if not 0 <= bid < num_blocks:
+            raise ValueError(f"block id {bid} for key {key!r} is out of range [0, {num_blocks})")
+        checked[key] = bid
+    if unique_ids and len(set(checked.values())) != len(checked):
+        seen: dict[int, Hashable] = {}
+        for key, bid in checked.items():
+            if bid in seen:
+                raise ValueError(f"keys {seen[bid]!r} and {key!r} both name destination block {bid}")
+            seen[bid] = key
+    return checked

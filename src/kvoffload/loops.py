@@ -1,0 +1,123 @@
+"""Dedicated event loops, each running in its own thread.
+
+The offloader runs stores on one :class:`LoopThread` and loads on another, so a
+long store never delays a load. Transfers are started with :meth:`LoopThread.start_transfer`,
+which creates the worker task on the loop and wires it to its :class:`Transfer`
+handle. Cancellation goes to the worker task itself (``task.cancel()`` on its
+loop) rather than through the future of ``run_coroutine_threadsafe``, whose
+cancellation did not always reach the task (CPython gh-105836).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .transfer import Transfer, TransferResult
+
+__all__ = ["LoopThread"]
+
+
+class LoopThread:
+    """An asyncio loop running forever in a named daemon thread."""
+
+    def __init__(self, name: str, on_thread_start: Callable[[], Any] | None = None) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._on_thread_start = on_thread_start
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self.loop.close()
+            raise self._start_error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
+        except BaseException as e:  # surfaced to the constructor
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def in_thread(self) -> bool:
+        """True when called from this loop's own thread."""
+        return threading.current_thread() is self._thread
+
+    def start_transfer(
+        self,
+        transfer: Transfer,
+        make_coro: Callable[[], Coroutine[Any, Any, TransferResult]],
+        cleanup: Callable[[], Any],
+    ) -> None:
+        """Run ``make_coro()`` as a task on this loop and report its end to ``transfer``.
+
+        ``cleanup`` runs on the loop after the task ends however it ends, also
+        when it was cancelled before its first step (when the coroutine's own
+        ``finally`` never runs); it must be idempotent.
+        """
+
+        def create() -> None:
+            task = self.loop.create_task(make_coro())
+            self._tasks.add(task)
+            task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup))
+            transfer._set_canceller(lambda: self.loop.call_soon_threadsafe(task.cancel))
+
+        self.loop.call_soon_threadsafe(create)
+
+    def _task_done(self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any]) -> None:
+        self._tasks.discard(task)
+        try:
+            cleanup()
+        finally:
+            if task.cancelled():
+                transfer._finish(cancelled=True)
+            elif task.exception() is not None:
+                transfer._finish(exc=task.exception())
+            else:
+                transfer._finish(result=task.result())
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the loop soon (thread-safe)."""
+        self.loop.call_soon_threadsafe(fn)
+
+    def stop(self, timeout: float) -> bool:
+        """Cancel every task, wait for them to end, stop the loop and join the thread.
+
+        Returns False if the thread did not end within ``timeout`` seconds.
+        """
+        if not self._thread.is_alive():
+            return True
+
+        async def cancel_all() -> None:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+            # Let done callbacks (transfer completion, cleanup) run.
+            await asyncio.sleep(0)
+
+        def shutdown() -> None:
+            fut = asyncio.ensure_future(cancel_all())
+            fut.add_done_callback(lambda _: self.loop.stop())
+
+        if self.in_thread():
+            raise RuntimeError(f"{self.name}: stop() called from the loop's own thread")
+        self.loop.call_soon_threadsafe(shutdown)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        return True

@@ -1,0 +1,1 @@
+"""Storage tiers: where offloaded blocks live (pinned host memory; local disk next)."""
