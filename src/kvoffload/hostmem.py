@@ -16,6 +16,9 @@ from .errors import OffloadError
 
 __all__ = ["HostBuffer"]
 
+# Fault the pages in at allocation (pinning does it anyway), not in the first copy.
+_MMAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
 
 class HostBuffer:
     """``nbytes`` of page-aligned host memory as a ``uint8`` tensor; pinned if ``pin``."""
@@ -23,7 +26,7 @@ class HostBuffer:
     def __init__(self, nbytes: int, *, pin: bool) -> None:
         self.nbytes = nbytes
         self.pinned = False
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=_MMAP_FLAGS)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         self.address = self.tensor.data_ptr() if nbytes else 0
         if pin and nbytes:

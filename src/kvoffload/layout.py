@@ -9,12 +9,13 @@ buffer of an O_DIRECT read or write as it is.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping"]
+__all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs"]
 
 SLOT_ALIGN = 4096
 """Slot size and slot addresses are multiples of this (safe for O_DIRECT)."""
@@ -124,3 +125,20 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) ->
                 raise ValueError(f"keys {seen[bid]!r} and {key!r} both name destination block {bid}")
             seen[bid] = key
     return checked
+
+
+def runs(*seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Split equal-length index sequences where any of them stops counting up by one.
+
+    Returns ``(starts, lengths)``: positions ``starts[j] .. starts[j]+lengths[j]-1``
+    are consecutive in every sequence, so each run is one contiguous copy.
+    """
+    n = len(seqs[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    breaks = np.zeros(n - 1, dtype=bool)
+    for s in seqs:
+        breaks |= np.diff(np.asarray(s, dtype=np.int64)) != 1
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return starts, lengths

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .layout import BlockLayout
+from .layout import BlockLayout, runs
 
 __all__ = ["BlockMover", "CpuMover", "make_mover"]
 
@@ -42,27 +42,49 @@ class BlockMover(Protocol):
 
 
 class CpuMover:
-    """Synchronous copies between CPU-tensor caches and host rows."""
+    """Synchronous copies between CPU-tensor caches and host rows.
+
+    Runs of consecutive blocks and rows become one slice copy per tensor;
+    when runs are short and pieces small, per-call overhead would dominate and
+    one gather/scatter per tensor is used instead (measured on 2 cores: slice
+    copies of 64 KiB pieces 6 GB/s, index_select/index_copy_ 1.5 GB/s).
+    """
+
+    SLICE_MIN_BYTES = 16 << 10
 
     def __init__(self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], chunk_bytes: int) -> None:
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
+        self._avg_piece = layout.block_bytes / len(layout.pieces)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
 
     def wait_for(self, event: Any) -> None:
         pass  # CPU work is complete when the caller's call returns
 
-    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:
-        src = torch.as_tensor(block_ids, dtype=torch.int64)
-        dst = torch.as_tensor(rows, dtype=torch.int64)
+    def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
+        starts, lengths = runs(block_ids, rows)
+        if len(block_ids) * self._avg_piece / len(starts) >= self.SLICE_MIN_BYTES:
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                b, r = block_ids[s], rows[s]
+                for p, cache_rows in zip(self._pieces, self._rows):
+                    h = host[r : r + n, p.offset : p.offset + p.nbytes]
+                    c = cache_rows[b : b + n]
+                    (h.copy_(c) if to_host else c.copy_(h))
+            return
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        hrows = torch.as_tensor(rows, dtype=torch.int64)
         for p, cache_rows in zip(self._pieces, self._rows):
-            host[:, p.offset : p.offset + p.nbytes].index_copy_(0, dst, cache_rows.index_select(0, src))
+            h = host[:, p.offset : p.offset + p.nbytes]
+            if to_host:
+                h.index_copy_(0, hrows, cache_rows.index_select(0, ids))
+            else:
+                cache_rows.index_copy_(0, ids, h.index_select(0, hrows))
+
+    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:
+        self._copy(block_ids, host, rows, to_host=True)
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> None:
-        src = torch.as_tensor(rows, dtype=torch.int64)
-        dst = torch.as_tensor(block_ids, dtype=torch.int64)
-        for p, cache_rows in zip(self._pieces, self._rows):
-            cache_rows.index_copy_(0, dst, host[:, p.offset : p.offset + p.nbytes].index_select(0, src))
+        self._copy(block_ids, host, rows, to_host=False)
 
     def close(self) -> None:
         self._rows = []

@@ -21,20 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..layout import BlockLayout
+from ..layout import BlockLayout, runs
 from .driver import BatchCopy
 
-__all__ = ["CudaMover", "slot_runs"]
-
-
-def slot_runs(rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Split host row numbers into runs of consecutive rows: ``(start index, length)`` arrays."""
-    r = np.asarray(rows, dtype=np.int64)
-    if len(r) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(r) != 1) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(r)])))
-    return starts, lengths
+__all__ = ["CudaMover"]
 
 
 class CudaMover:
@@ -66,7 +56,7 @@ class CudaMover:
 
     def _dma(self, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         slot = self._layout.slot_bytes
-        starts, lengths = slot_runs(rows)
+        starts, lengths = runs(rows)
         host_addrs = host.data_ptr() + np.asarray(rows, dtype=np.uint64)[starts] * np.uint64(slot)
         stage_addrs = self._staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
         sizes = lengths.astype(np.uint64) * np.uint64(slot)
