@@ -16,16 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default="auto", help="auto (GPU if present), cpu, or cuda[:N]")
     demo.add_argument("--gib", type=float, default=None, help="cache size in GiB (default 2 on GPU, 0.25 on CPU)")
     demo.add_argument("--layers", type=int, default=32, help="layers (2 MiB per block at 32)")
-    bench = sub.add_parser("bench", help="benchmark against the ceiling and the baseline")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="benchmark against the ceiling (see 'kvoffload bench --help')", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args.device, args.gib, args.layers)
     from .bench import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(rest)
 
 
 if __name__ == "__main__":

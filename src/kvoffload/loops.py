@@ -71,9 +71,18 @@ class LoopThread:
             task = self.loop.create_task(make_coro())
             self._tasks.add(task)
             task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup))
-            transfer._set_canceller(lambda: self.loop.call_soon_threadsafe(task.cancel))
+            transfer._set_canceller(lambda: self._cancel(task))
 
         self.loop.call_soon_threadsafe(create)
+
+    def _cancel(self, task: asyncio.Task[Any]) -> None:
+        # On the loop's own thread cancel at once: a task cancelled before its
+        # first step never starts its coroutine, so a transfer cancelled
+        # before it started copies nothing.
+        if self.in_thread():
+            task.cancel()
+        else:
+            self.loop.call_soon_threadsafe(task.cancel)
 
     def _task_done(self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any]) -> None:
         self._tasks.discard(task)

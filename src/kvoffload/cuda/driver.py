@@ -108,7 +108,7 @@ class BatchCopy:
         if driver_version() < BATCH_ABI_VERSION:
             log.info("driver older than CUDA 12.8: using cuMemcpyAsync per copy")
             return None
-        err, pfn, _status = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_ABI_VERSION, cu.CU_GET_PROC_ADDRESS_DEFAULT)
+        err, pfn, _status = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_ABI_VERSION, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         if int(err) != 0 or not int(pfn):
             log.info("cuMemcpyBatchAsync not available: using cuMemcpyAsync per copy")
             return None

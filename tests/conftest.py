@@ -1,0 +1,59 @@
+"""Shared fixtures: random caches in several dtypes and piece sizes, and a factory of offloaders."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvoffload
+
+
+def random_caches(num_blocks: int, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Several tensors with different dtypes and bytes per block, filled with random bits."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "k0": ((num_blocks, 4, 16), torch.float32),  # 256 B per block
+        "v0": ((num_blocks, 3, 5), torch.int16),  # 30 B per block: odd sizes exercise slot padding
+        "k1": ((num_blocks, 2, 8, 8), torch.bfloat16),  # 256 B
+        "v1": ((num_blocks, 1000), torch.uint8),  # 1000 B
+    }
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty(0, dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
+        out[name] = raw.view(dtype).view(shape).to(device)
+    return out
+
+
+def block_bytes(caches: dict[str, torch.Tensor], block: int) -> bytes:
+    """Every byte of one block, across tensors."""
+    return b"".join(t[block].contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes() for t in caches.values())
+
+
+@pytest.fixture
+def caches() -> dict[str, torch.Tensor]:
+    return random_caches(64)
+
+
+@pytest.fixture
+def make_offloader():
+    """Create started offloaders; closes them and checks no worker thread is left."""
+    made: list[kvoffload.Offloader] = []
+    before = {t.ident for t in threading.enumerate()}
+
+    def make(caches, **kw):
+        off = kvoffload.Offloader(caches, **kw).start()
+        made.append(off)
+        return off
+
+    yield make
+    for off in made:
+        off.close()
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("kvoffload")]
+    assert not leftover, f"threads left running: {leftover}"
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-for-byte equality (random bits include NaNs, which torch.equal calls unequal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -1,0 +1,172 @@
+"""CUDA paths: run on the GPU machine by scripts/gpu_check.sh; skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import kvoffload
+from conftest import random_caches, same_bytes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU spin: long enough that an unordered copy runs first
+
+
+def gpu_caches(num_blocks: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    return random_caches(num_blocks, "cuda", seed)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("completion", ["thread", "poll"])
+@pytest.mark.parametrize("use_batch_copy", [True, False])
+async def test_round_trip_random_ids(completion, use_batch_copy):
+    caches = gpu_caches(256)
+    orig = {n: t.clone() for n, t in caches.items()}
+    g = torch.Generator().manual_seed(1)
+    src = torch.randperm(256, generator=g).tolist()[:200]
+    dst = torch.randperm(256, generator=g).tolist()[:200]
+    # small chunks so that a transfer spans many chunks and runs of slots
+    async with kvoffload.Offloader(caches, host_blocks=220, chunk_bytes=16 * caches_block(caches), completion=completion,
+                                   use_batch_copy=use_batch_copy) as off:
+        r = await off.store({i: src[i] for i in range(200)})
+        assert len(r.keys) == 200
+        for t in caches.values():
+            t.zero_()
+        await off.load({i: dst[i] for i in range(200)})
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][dst], orig[n][src]), n
+
+
+def caches_block(caches):
+    return kvoffload.BlockLayout.of(caches).slot_bytes
+
+
+def test_batch_copy_resolved_and_slab_pinned():
+    from kvoffload.cuda.driver import BatchCopy, driver
+
+    assert BatchCopy().batched, "cuMemcpyBatchAsync should resolve on a CUDA 12.8+ driver"
+    with kvoffload.Offloader(gpu_caches(8), host_blocks=8) as off:
+        buf = off._runtime.host.buffer
+        assert buf.pinned
+        err, _flags = driver().cuMemHostGetFlags(buf.address)
+        assert int(err) == 0, "host slab is not page-locked"
+
+
+async def store_right_after_kernel_write() -> bool:
+    """A kernel writes a block right before store(); True if the stored bytes are the written ones."""
+    caches = gpu_caches(16)
+    side = torch.cuda.Stream()
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for t in caches.values():
+                t[3].view(torch.uint8).fill_(0xAB)
+            transfer = off.store({"k": 3})  # records an event on `side` (the current stream)
+        await transfer
+        for t in caches.values():
+            t[5].zero_()
+        await off.load({"k": 5})
+        torch.cuda.synchronize()
+        return all(bool((t[5].view(torch.uint8) == 0xAB).all()) for t in caches.values())
+
+
+async def load_right_after_kernel_read() -> bool:
+    """A kernel reads a block right before load() overwrites it; True if it saw the old bytes."""
+    caches = gpu_caches(16)
+    side = torch.cuda.Stream()
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        await off.store({"new": 1})
+        old = {n: t[4].clone() for n, t in caches.items()}
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            snapshot = {n: t[4].clone() for n, t in caches.items()}  # reads block 4 after the sleep
+            transfer = off.load({"new": 4})
+        await transfer
+        torch.cuda.synchronize()
+        assert all(same_bytes(caches[n][4], caches[n][1]) for n in caches)
+        return all(same_bytes(snapshot[n], old[n]) for n in caches)
+
+
+@pytest.mark.asyncio
+async def test_store_waits_for_callers_stream():
+    assert await store_right_after_kernel_write(), "store read the block before the kernel wrote it"
+
+
+@pytest.mark.asyncio
+async def test_load_waits_for_callers_stream():
+    assert await load_right_after_kernel_read(), "load overwrote the block while a kernel still read it"
+
+
+@pytest.mark.asyncio
+async def test_ordering_tests_fail_without_the_wait(monkeypatch):
+    """The two tests above can fail: with the wait on the caller's stream removed, both see the race."""
+    from kvoffload.cuda.mover import CudaMover
+
+    monkeypatch.setattr(CudaMover, "wait_for", lambda self, event: None)
+    assert not await store_right_after_kernel_write()
+    assert not await load_right_after_kernel_read()
+
+
+@pytest.mark.asyncio
+async def test_after_event_overrides_current_stream():
+    caches = gpu_caches(16)
+    side = torch.cuda.Stream()
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for t in caches.values():
+                t[2].view(torch.uint8).fill_(0x5C)
+            done = torch.cuda.Event()
+            done.record(side)
+        # called on the default stream, which has nothing queued: only `after` orders the copy
+        await off.store({"k": 2}, after=done)
+        await off.load({"k": 9})
+        torch.cuda.synchronize()
+        for t in caches.values():
+            assert bool((t[9].view(torch.uint8) == 0x5C).all())
+
+
+@pytest.mark.asyncio
+async def test_cancel_mid_transfer_leaves_no_torn_entry():
+    caches = gpu_caches(512)
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=512, chunk_bytes=4 * caches_block(caches)) as off:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            t = off.store({i: i for i in range(512)})
+        await asyncio.sleep(0.01)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        s = off.stats()
+        assert s.pending == 0 and s.in_flight == 0
+        visible = [i for i in range(512) if i in off]
+        for t_ in caches.values():
+            t_.zero_()
+        if visible:
+            await off.load({k: k for k in visible})
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][visible], orig[n][visible])
+        # the offloader keeps working
+        await off.store({("again", i): i for i in range(8)})
+        assert off.lookup([("again", i) for i in range(8)]) == 8
+
+
+@pytest.mark.asyncio
+async def test_many_concurrent_transfers_gpu():
+    caches = gpu_caches(128)
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=128) as off:
+        await asyncio.gather(*(off.store({i: i}) for i in range(128)))
+        for t in caches.values():
+            t.zero_()
+        await asyncio.gather(*(off.load({i: 127 - i}) for i in range(128)))
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n].flip(0), orig[n])

@@ -1,0 +1,191 @@
+"""Round trips on random data, awaiting from tasks, loops in other threads and plain threads."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+import torch
+
+import kvoffload
+from conftest import block_bytes, random_caches, same_bytes
+
+
+def snapshot(caches):
+    return {n: t.clone() for n, t in caches.items()}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
+async def test_round_trip_random_ids_byte_for_byte(chunk_blocks):
+    caches = random_caches(128, seed=chunk_blocks)
+    orig = snapshot(caches)
+    rng = random.Random(chunk_blocks)
+    src = rng.sample(range(128), 100)
+    dst = rng.sample(range(128), 100)
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    async with kvoffload.Offloader(caches, host_blocks=100, chunk_bytes=chunk_blocks * slot) as off:
+        r = await off.store({("k", i): src[i] for i in range(100)})
+        assert r.kind == "store" and len(r.keys) == 100 and r.nbytes == 100 * off.layout.block_bytes and r.seconds > 0
+        for t in caches.values():
+            t.zero_()
+        r = await off.load({("k", i): dst[i] for i in range(100)})
+        assert r.kind == "load" and len(r.keys) == 100
+    for n in caches:
+        assert same_bytes(caches[n][dst], orig[n][src]), n
+    untouched = sorted(set(range(128)) - set(dst))
+    for n in caches:
+        assert not caches[n][untouched].any(), "a load wrote outside its destination blocks"
+
+
+@pytest.mark.asyncio
+async def test_contiguous_runs_round_trip():
+    caches = random_caches(64, seed=5)
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=64) as off:
+        await off.store({i: i for i in range(10, 50)})
+        await off.load({i: i - 10 for i in range(10, 50)})
+    for n in caches:
+        assert same_bytes(caches[n][:40], orig[n][10:50])
+
+
+@pytest.mark.asyncio
+async def test_many_concurrent_transfers_from_many_tasks():
+    caches = random_caches(256, seed=9)
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=256, chunk_bytes=8 * 4096) as off:
+        await asyncio.gather(*(off.store({i: i}) for i in range(256)))
+        assert off.lookup(range(256)) == 256
+        for t in caches.values():
+            t.zero_()
+        results = await asyncio.gather(*(off.load({i: 255 - i}) for i in range(256)))
+        assert all(len(r.keys) == 1 for r in results)
+        assert off.stats().loads == 256 and off.stats().in_flight == 0
+    for n in caches:
+        assert same_bytes(caches[n].flip(0), orig[n])
+
+
+def test_transfers_from_plain_threads_and_other_loops():
+    caches = random_caches(128, seed=3)
+    orig = snapshot(caches)
+    errors: list[BaseException] = []
+    with kvoffload.Offloader(caches, host_blocks=128) as off:
+
+        def plain(lo: int) -> None:
+            try:
+                for i in range(lo, lo + 32):
+                    r = off.store({i: i}).result(timeout=30)
+                    assert r.keys == (i,)
+            except BaseException as e:
+                errors.append(e)
+
+        def with_loop(lo: int) -> None:
+            async def run() -> None:
+                await asyncio.gather(*(off.store({i: i}) for i in range(lo, lo + 32)))
+
+            try:
+                asyncio.run(run())
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=f, args=(lo,)) for f, lo in ((plain, 0), (plain, 32), (with_loop, 64), (with_loop, 96))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert off.lookup(range(128)) == 128
+        for t in caches.values():
+            t.zero_()
+        off.load({i: i for i in range(128)}).result(30)
+    for n in caches:
+        assert same_bytes(caches[n], orig[n])
+
+
+def test_done_callback_and_result_timeout(caches):
+    with kvoffload.Offloader(caches, host_blocks=16) as off:
+        seen: list[kvoffload.Transfer] = []
+        done = threading.Event()
+        t = off.store({"a": 1})
+        t.add_done_callback(lambda tr: (seen.append(tr), done.set()))
+        assert done.wait(10)
+        assert seen == [t] and t.done() and not t.cancelled() and t.exception() is None
+        late: list[kvoffload.Transfer] = []
+        t.add_done_callback(late.append)  # already done: runs at once
+        assert late == [t]
+        assert t.result(0).keys == ("a",)
+
+
+def test_result_times_out_while_running(caches, monkeypatch):
+    from kvoffload.movers import CpuMover
+
+    release = threading.Event()
+    real = CpuMover.to_host
+
+    def slow(self, *a):
+        release.wait(10)
+        return real(self, *a)
+
+    monkeypatch.setattr(CpuMover, "to_host", slow)
+    with kvoffload.Offloader(caches, host_blocks=16) as off:
+        t = off.store({"a": 1})
+        with pytest.raises(TimeoutError):
+            t.result(timeout=0.05)
+        assert not t.done()
+        release.set()
+        assert t.result(10).keys == ("a",)
+
+
+@pytest.mark.asyncio
+async def test_copy_error_fails_transfer_and_loses_nothing(monkeypatch):
+    from kvoffload.movers import CpuMover
+
+    caches = random_caches(32, seed=4)
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        await off.store({i: i for i in range(8)})
+        real = CpuMover.to_host
+
+        def broken(self, *a):
+            raise OSError(5, "injected copy failure")
+
+        monkeypatch.setattr(CpuMover, "to_host", broken)
+        t = off.store({i: i for i in range(8, 12)})
+        with pytest.raises(kvoffload.TransferError) as ei:
+            await t
+        assert isinstance(ei.value.__cause__, OSError)
+        assert isinstance(t.exception(), kvoffload.TransferError)
+        assert off.lookup(range(12)) == 8 and off.stats().pending == 0 and off.stats().failed == 1
+        monkeypatch.setattr(CpuMover, "to_host", real)
+        await off.store({i: i for i in range(8, 12)})  # the service goes on
+        for t_ in caches.values():
+            t_.zero_()
+        await off.load({i: i for i in range(12)})
+    for n in caches:
+        assert same_bytes(caches[n][:12], orig[n][:12])
+
+
+@pytest.mark.asyncio
+async def test_discard_during_load_keeps_the_load_correct(caches):
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=8) as off:
+        await off.store({"a": 1})
+        t = off.load({"a": 30})
+        off.discard(["a"])
+        await t
+        assert "a" not in off and off.stats().host_free == 8
+    for n in caches:
+        assert same_bytes(caches[n][30], orig[n][1])
+
+
+@pytest.mark.asyncio
+async def test_store_of_keys_being_stored_is_skipped(caches):
+    async with kvoffload.Offloader(caches, host_blocks=8) as off:
+        t1 = off.store({"a": 1, "b": 2})
+        t2 = off.store({"b": 3, "c": 4})
+        r1, r2 = await asyncio.gather(t1, t2)
+        assert r2.skipped == ("b",)
+        await off.load({"b": 9})
+    assert block_bytes(caches, 9) == block_bytes(caches, 2)
