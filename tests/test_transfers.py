@@ -7,7 +7,6 @@ import random
 import threading
 
 import pytest
-import torch
 
 import kvoffload
 from conftest import block_bytes, random_caches, same_bytes

@@ -140,7 +140,7 @@ def host_throughput(gib: float, layers: int) -> dict[str, Any]:
     dbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     out["ceiling_d2h"] = timed(lambda: hb.tensor.copy_(dbuf, non_blocking=True))
     out["ceiling_h2d"] = timed(lambda: dbuf.copy_(hb.tensor, non_blocking=True))
-    del dbuf
+    dbuf = None  # noqa: F841 - free the GPU buffer before the cache is built
     hb.close()
     caches = make_cache(nblocks, layers, dev)
     perm = torch.randperm(nblocks).tolist()

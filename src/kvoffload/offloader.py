@@ -130,9 +130,11 @@ class Offloader:
     and :meth:`close`. ``store`` and ``load`` validate their arguments at once
     and return a running :class:`Transfer`.
 
-    Keyword options: ``chunk_bytes`` (bytes per copy chunk and size of each
-    direction's GPU staging buffer; default 64 MiB), ``completion`` (how CUDA
-    completion reaches the loops: ``"thread"`` or ``"poll"``), ``use_batch_copy``
+    Keyword options: ``chunk_bytes`` (bytes per copy chunk, the unit of
+    pipelining and of cancellation; a GPU cache gets two staging buffers of
+    this size per direction; default 32 MiB), ``completion`` (how CUDA
+    completion reaches the worker loops: ``"poll"``, the default, or
+    ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``).
     """
 
@@ -143,8 +145,8 @@ class Offloader:
         disk_path: str | None = None,
         disk_blocks: int = 0,
         *,
-        chunk_bytes: int = 64 << 20,
-        completion: Literal["thread", "poll"] = "thread",
+        chunk_bytes: int = 32 << 20,
+        completion: Literal["thread", "poll"] = "poll",
         use_batch_copy: bool = True,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches)

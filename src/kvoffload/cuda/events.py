@@ -10,9 +10,11 @@ Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
   and wakes the loop once for every run of completions it finds. Costs one
   cross-thread wake-up per completion batch and no CPU while waiting.
 * :class:`PollBridge` - the loop polls ``event.query()``: it spins
-  (``sleep(0)``) for ``spin_s`` after work is added or completes, then ticks
-  every millisecond. No thread hop, so the lowest latency for short copies,
-  but a core is busy while it spins. Nothing runs while no event is pending.
+  (``sleep(0)``) for ``spin_s`` (1 ms) after work is added or a completion
+  is seen, so a transfer whose chunks keep landing is followed closely; once
+  nothing has completed for ``spin_s`` (the GPU is stalled behind compute),
+  it ticks every millisecond. No thread hop, the lowest latency; a core is busy
+  only while copies are landing. Nothing runs while no event is pending.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class ThreadBridge:
 class PollBridge:
     """The loop polls ``event.query()``: spin briefly, then tick every millisecond."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = 200e-6, tick_s: float = 1e-3) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = 1e-3, tick_s: float = 1e-3) -> None:
         self._loop = loop
         self._spin_s = spin_s
         self._tick_s = tick_s

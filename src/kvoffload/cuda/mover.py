@@ -1,16 +1,16 @@
-"""GPU <-> host block copies through a GPU staging buffer and one batched DMA.
+"""GPU <-> host block copies through double-buffered GPU staging and batched DMA.
 
 Host slots hold each block's pieces of every tensor back to back, so one
 (layer, block) piece is often only 16-64 KiB. Copying such pieces one
 descriptor each is slow host->GPU (3-5 GB/s measured at 16 KiB on an H200).
-So a chunk of blocks is first gathered on the GPU into a staging buffer laid
-out exactly like host slots (``index_select`` per tensor, at HBM speed), and
-then moved with ``cuMemcpyBatchAsync``, one descriptor per run of
-consecutive host slots. Loads run the same way backwards and scatter with
-``index_copy_``.
+So a chunk of blocks is gathered on the GPU into a staging buffer laid out
+exactly like host slots (``index_select`` per tensor, at HBM speed), and moved
+with ``cuMemcpyBatchAsync``, one descriptor per run of consecutive host slots.
+Loads run the same way backwards and scatter with ``index_copy_``.
 
-All work of one direction goes on one dedicated low-priority stream, so the
-staging buffer is reused in stream order without further synchronisation.
+Two streams per direction overlap the two halves: a kernel stream gathers or
+scatters chunk N while the copy stream DMAs chunk N-1, through two staging
+buffers used in turn. Events order each buffer's reuse.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = ["CudaMover"]
 
 
 class CudaMover:
-    """One direction's stream, staging buffer and batched copy."""
+    """One direction's streams, staging buffers and batched copy."""
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True
@@ -37,9 +37,13 @@ class CudaMover:
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
-        # Lowest priority (the default 0): compute kernels go first.
-        self.stream = torch.cuda.Stream(device=layout.device, priority=0)
-        self._staging = torch.empty((self.chunk_blocks, layout.slot_bytes), dtype=torch.uint8, device=layout.device)
+        # Priority 0 is the lowest: compute kernels go first.
+        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=0)
+        self.copy_stream = torch.cuda.Stream(device=layout.device, priority=0)
+        shape = (self.chunk_blocks, layout.slot_bytes)
+        self._staging = [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]  # last use of each buffer
+        self._turn = 0
         self._copy = BatchCopy(use_batch=use_batch_copy)
 
     @property
@@ -48,51 +52,70 @@ class CudaMover:
         return self._copy.batched
 
     def wait_for(self, event: Any) -> None:
-        self.stream.wait_event(event)
+        # Only the kernel stream touches cache blocks (gather reads, scatter writes).
+        self.kernel_stream.wait_event(event)
+
+    def _take_staging(self, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+        b = self._turn
+        self._turn ^= 1
+        free = self._staging_free[b]
+        if free is not None:
+            stream.wait_event(free)
+        return b, self._staging[b]
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         host = torch.tensor(ids, dtype=torch.int64).pin_memory()
         return host.to(self._layout.device, non_blocking=True)
 
-    def _dma(self, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
+    def _dma(self, staging: torch.Tensor, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         slot = self._layout.slot_bytes
         starts, lengths = runs(rows)
         host_addrs = host.data_ptr() + np.asarray(rows, dtype=np.uint64)[starts] * np.uint64(slot)
-        stage_addrs = self._staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
+        stage_addrs = staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
         sizes = lengths.astype(np.uint64) * np.uint64(slot)
         if to_host:
-            self._copy(host_addrs, stage_addrs, sizes, self.stream.cuda_stream)
+            self._copy(host_addrs, stage_addrs, sizes, self.copy_stream.cuda_stream)
         else:
-            self._copy(stage_addrs, host_addrs, sizes, self.stream.cuda_stream)
+            self._copy(stage_addrs, host_addrs, sizes, self.copy_stream.cuda_stream)
 
-    def _record(self) -> torch.cuda.Event:
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
         ev = torch.cuda.Event(blocking=True)
-        ev.record(self.stream)
+        ev.record(stream)
         return ev
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> torch.cuda.Event:
         n = len(block_ids)
         assert n <= self.chunk_blocks
-        with torch.cuda.stream(self.stream):
+        b, staging = self._take_staging(self.kernel_stream)
+        with torch.cuda.stream(self.kernel_stream):
             idx = self._index(block_ids)
-            stage = self._staging[:n]
+            stage = staging[:n]
             for p, cache_rows in zip(self._pieces, self._rows):
                 stage[:, p.offset : p.offset + p.nbytes] = cache_rows.index_select(0, idx)
-            self._dma(host, rows, to_host=True)
-            return self._record()
+            gathered = self._record(self.kernel_stream)
+        self.copy_stream.wait_event(gathered)
+        self._dma(staging, host, rows, to_host=True)
+        done = self._staging_free[b] = self._record(self.copy_stream)
+        return done
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
         n = len(block_ids)
         assert n <= self.chunk_blocks
-        with torch.cuda.stream(self.stream):
-            self._dma(host, rows, to_host=False)
+        b, staging = self._take_staging(self.copy_stream)
+        self._dma(staging, host, rows, to_host=False)
+        landed = self._record(self.copy_stream)
+        self.kernel_stream.wait_event(landed)
+        with torch.cuda.stream(self.kernel_stream):
             idx = self._index(block_ids)
-            stage = self._staging[:n]
+            stage = staging[:n]
             for p, cache_rows in zip(self._pieces, self._rows):
                 cache_rows.index_copy_(0, idx, stage[:, p.offset : p.offset + p.nbytes])
-            return self._record()
+            done = self._staging_free[b] = self._record(self.kernel_stream)
+        return done
 
     def close(self) -> None:
-        self.stream.synchronize()
-        self._staging = torch.empty(0, dtype=torch.uint8, device=self._layout.device)
+        self.kernel_stream.synchronize()
+        self.copy_stream.synchronize()
+        self._staging = []
         self._rows = []
