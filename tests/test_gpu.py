@@ -22,14 +22,15 @@ def gpu_caches(num_blocks: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("completion", ["thread", "poll"])
 @pytest.mark.parametrize("use_batch_copy", [True, False])
-async def test_round_trip_random_ids(completion, use_batch_copy):
+@pytest.mark.parametrize("chunk_blocks", [16, 64])  # 16 x 4 tensors: direct DMA; 64 x 4: staged (+ a direct tail)
+async def test_round_trip_random_ids(completion, use_batch_copy, chunk_blocks):
     caches = gpu_caches(256)
     orig = {n: t.clone() for n, t in caches.items()}
     g = torch.Generator().manual_seed(1)
     src = torch.randperm(256, generator=g).tolist()[:200]
     dst = torch.randperm(256, generator=g).tolist()[:200]
     # small chunks so that a transfer spans many chunks and runs of slots
-    async with kvoffload.Offloader(caches, host_blocks=220, chunk_bytes=16 * caches_block(caches), completion=completion,
+    async with kvoffload.Offloader(caches, host_blocks=220, chunk_bytes=chunk_blocks * caches_block(caches), completion=completion,
                                    use_batch_copy=use_batch_copy) as off:
         r = await off.store({i: src[i] for i in range(200)})
         assert len(r.keys) == 200

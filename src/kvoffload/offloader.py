@@ -132,7 +132,7 @@ class Offloader:
 
     Keyword options: ``chunk_bytes`` (bytes per copy chunk, the unit of
     pipelining and of cancellation; a GPU cache gets two staging buffers of
-    this size per direction; default 32 MiB), ``completion`` (how CUDA
+    this size per direction; default 64 MiB), ``completion`` (how CUDA
     completion reaches the worker loops: ``"poll"``, the default, or
     ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``).
@@ -145,7 +145,7 @@ class Offloader:
         disk_path: str | None = None,
         disk_blocks: int = 0,
         *,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = 64 << 20,
         completion: Literal["thread", "poll"] = "poll",
         use_batch_copy: bool = True,
     ) -> None:
