@@ -48,16 +48,27 @@ def test_bad_caches_rejected(bad, exc):
         kvoffload.Offloader(bad)
 
 
-@pytest.mark.parametrize("kw, exc", [({"host_blocks": 0}, ValueError), ({"host_blocks": 2.5}, TypeError),
+@pytest.mark.parametrize("kw, exc", [({"host_blocks": -1}, ValueError), ({"host_blocks": 2.5}, TypeError),
                                      ({"host_blocks": True}, TypeError), ({"completion": "spin"}, ValueError)])
 def test_bad_options_rejected(caches, kw, exc):
     with pytest.raises(exc):
         kvoffload.Offloader(caches, **kw)
 
 
-def test_disk_tier_not_yet_available(caches, tmp_path):
-    with pytest.raises(NotImplementedError):
-        kvoffload.Offloader(caches, disk_path=str(tmp_path / "kv"), disk_blocks=8)
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        ({"disk_blocks": 8}, ValueError),  # no path
+        ({"disk_path": "kv"}, ValueError),  # no slots
+        ({"host_blocks": 0}, ValueError),  # no room at all
+        ({"disk_path": 3, "disk_blocks": 8}, TypeError),
+        ({"disk_path": "kv", "disk_blocks": -1}, ValueError),
+        ({"disk_path": "kv", "disk_blocks": 8, "io_threads": 0}, ValueError),
+    ],
+)
+def test_bad_disk_options_rejected(caches, kw, exc):
+    with pytest.raises(exc):
+        kvoffload.Offloader(caches, **kw)
 
 
 @pytest.mark.parametrize(

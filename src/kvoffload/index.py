@@ -1,24 +1,31 @@
-"""Key -> location index with LRU order, pins, and slot allocation.
+"""Key -> location index over the tiers, with LRU order, pins, and slot allocation.
 
 Thread-safe: the facade reserves and pins from the caller's thread, the worker
-loops publish and release from theirs. One lock guards everything; no IO or
-copy ever happens under it.
+loops publish, spill and release from theirs. One lock guards everything; no IO
+or copy ever happens under it.
 
-An entry is *pending* while a store fills its slot (invisible to ``lookup`` and
-``load``) and *ready* once all of its bytes are in place. A ready entry may be
-*pinned* by running loads; pinned and pending entries are never evicted.
+An :class:`Entry` lives in one tier (``HOST`` or ``DISK``) at one slot. It is
+*pending* while a store fills its slot (invisible to ``lookup`` and ``load``)
+and *ready* once all of its bytes are in place. Loads *pin* the copy they read;
+pinned and pending entries are never evicted. When the host tier needs room and
+a disk tier exists, least-recently-used host entries are *spilled*: they stay
+visible and loadable from host memory while their bytes are written to a disk
+slot, and switch to the disk slot in one step when the write is complete.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from .errors import CapacityError, MissingKeysError
 
-__all__ = ["Entry", "BlockIndex", "SlotPool"]
+__all__ = ["HOST", "DISK", "Entry", "Spill", "Reservation", "BlockIndex", "SlotPool"]
+
+HOST, DISK = 0, 1
+TIER_NAMES = ("host", "disk")
 
 
 class SlotPool:
@@ -43,27 +50,59 @@ class Entry:
     """Where one key's block lives."""
 
     key: Hashable
+    tier: int
     slot: int
     ready: bool = False
-    pins: int = 0
+    pins: list[int] = field(default_factory=lambda: [0, 0])
+    """Running loads reading this entry's copy in each tier."""
+    spill_slot: int | None = None
+    """Disk slot being written while the entry is spilled out of host memory."""
     gone: bool = False
-    """Discarded or evicted while pinned or pending: its slot is freed when the last user lets go."""
+    """Removed from the index (discarded or dropped); slots are freed when the last user lets go."""
+
+
+@dataclass(eq=False)
+class Spill:
+    """Move ``entry`` from its host slot to ``disk_slot``; the host slot then goes to a new entry."""
+
+    entry: Entry
+    host_slot: int
+    disk_slot: int
+    done: bool = False
+    failed: bool = False
+
+
+@dataclass
+class Reservation:
+    """What :meth:`BlockIndex.reserve` set aside for one store."""
+
+    entries: list[Entry]
+    skipped: list[Hashable]
+    spills: list[Spill]
+    """Host slots of these entries go to the new entries once written to disk (and unpinned)."""
 
 
 class BlockIndex:
-    """Index of one tier's slots (the host tier; the disk tier gets its own)."""
+    """One index over the host and disk tiers."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, host_slots: int, disk_slots: int) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, Entry] = {}
-        self._lru: OrderedDict[Hashable, Entry] = OrderedDict()  # ready entries, oldest first
-        self._pool = SlotPool(slots)
+        # ready entries per tier, least recently used first
+        self._lru: tuple[OrderedDict[Hashable, Entry], OrderedDict[Hashable, Entry]] = (OrderedDict(), OrderedDict())
+        self._pools = (SlotPool(host_slots), SlotPool(disk_slots))
         self.evicted = 0
+        self.spilled = 0
+
+    @property
+    def store_tier(self) -> int:
+        """Where stores write: host memory if it has slots, else disk."""
+        return HOST if self._pools[HOST].size else DISK
 
     # -- queries ------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
-        """How many leading keys are ready."""
+        """How many leading keys are ready (in any tier)."""
         n = 0
         with self._lock:
             for key in keys:
@@ -79,92 +118,175 @@ class BlockIndex:
             return e is not None and e.ready
 
     def counts(self) -> dict[str, int]:
-        """Snapshot of slot use: total, used, ready, pending, pinned entries, free slots."""
+        """Snapshot of slot use per tier and of entry states."""
         with self._lock:
-            ready = len(self._lru)
-            pinned = sum(1 for e in self._lru.values() if e.pins)
+            ready = [len(lru) for lru in self._lru]
             return {
-                "slots": self._pool.size,
-                "free": len(self._pool),
-                "ready": ready,
-                "pending": len(self._entries) - ready,
-                "pinned": pinned,
+                "host_slots": self._pools[HOST].size,
+                "host_free": len(self._pools[HOST]),
+                "disk_slots": self._pools[DISK].size,
+                "disk_free": len(self._pools[DISK]),
+                "host_ready": ready[HOST],
+                "disk_ready": ready[DISK],
+                "pending": len(self._entries) - sum(ready),
+                "pinned": sum(1 for e in self._entries.values() if e.pins[HOST] or e.pins[DISK]),
+                "spilling": sum(1 for e in self._entries.values() if e.spill_slot is not None),
                 "evicted": self.evicted,
+                "spilled": self.spilled,
             }
 
     # -- store side ---------------------------------------------------------------
 
-    def reserve(self, keys: Iterable[Hashable]) -> tuple[list[Entry], list[Hashable]]:
-        """Reserve one slot per new key, evicting least-recently-used entries as needed.
+    def reserve(self, keys: Iterable[Hashable]) -> Reservation:
+        """Reserve one slot in the store tier per new key, making room as needed.
 
-        Returns ``(new pending entries, skipped keys)``; keys already present
-        (ready or pending) are skipped. Raises :class:`CapacityError`, with
-        nothing reserved or evicted, when too few slots can be freed.
+        Keys already present (ready or pending) are skipped. Room comes from
+        free slots, then from least-recently-used ready entries that no load
+        pins: spilled to disk when the store tier is host memory and the disk
+        has (or can make) room, dropped otherwise. Raises :class:`CapacityError`,
+        with nothing reserved, spilled or dropped, when too few slots can be had.
         """
         with self._lock:
             new_keys: list[Hashable] = []
             skipped: list[Hashable] = []
             for key in keys:
                 (skipped if key in self._entries else new_keys).append(key)
-            shortfall = len(new_keys) - len(self._pool)
+            tier = self.store_tier
+            pool = self._pools[tier]
+            shortfall = len(new_keys) - len(pool)
+            victims: list[Entry] = []
             if shortfall > 0:
-                victims = [e for e in self._lru.values() if not e.pins][:shortfall]
+                victims = self._evictable(tier, shortfall)
                 if len(victims) < shortfall:
                     raise CapacityError(
-                        f"need {len(new_keys)} free slots, {len(self._pool)} free and only "
-                        f"{len(victims)} evictable of {self._pool.size}; the rest are in use by running transfers"
+                        f"need {len(new_keys)} free {TIER_NAMES[tier]} slots: {len(pool)} free and only "
+                        f"{len(victims)} evictable of {pool.size}; the rest are in use by running transfers"
                     )
-                for e in victims:
-                    self._remove(e)
-                    self._pool.give(e.slot)
-                self.evicted += len(victims)
+            spills: list[Spill] = []
+            for v in victims:
+                disk_slot = self._disk_slot_for_spill(v) if tier == HOST else None
+                if disk_slot is None:
+                    self._drop(v)  # its slot goes back to the pool
+                else:
+                    v.spill_slot = disk_slot
+                    spills.append(Spill(v, v.slot, disk_slot))
+            # Spilled host slots are handed to the last new entries; the store writes them last.
+            free_first = [pool.take() for _ in range(len(new_keys) - len(spills))]
+            slots = free_first + [s.host_slot for s in spills]
             entries = []
-            for key in new_keys:
-                e = Entry(key, self._pool.take())
+            for key, slot in zip(new_keys, slots):
+                e = Entry(key, tier, slot)
                 self._entries[key] = e
                 entries.append(e)
-            return entries, skipped
+            return Reservation(entries, skipped, spills)
+
+    def _evictable(self, tier: int, n: int) -> list[Entry]:
+        out = []
+        for e in self._lru[tier].values():
+            if len(out) == n:
+                break
+            if not e.pins[tier] and e.spill_slot is None:
+                out.append(e)
+        return out
+
+    def _disk_slot_for_spill(self, victim: Entry) -> int | None:
+        disk = self._pools[DISK]
+        if len(disk):
+            return disk.take()
+        for old in self._evictable(DISK, 1):  # make room on disk by dropping its oldest entry
+            self._drop(old)
+            return disk.take()
+        return None
+
+    def _drop(self, e: Entry) -> None:
+        """Evict a ready, unpinned entry and free its slot."""
+        self._remove(e)
+        self._pools[e.tier].give(e.slot)
+        self.evicted += 1
+
+    def spill_done(self, spill: Spill) -> None:
+        """The entry's bytes are on disk: readers now find it there."""
+        with self._lock:
+            e = spill.entry
+            spill.done = True
+            e.spill_slot = None
+            self.spilled += 1
+            if e.gone:  # discarded while it was being written
+                self._pools[DISK].give(spill.disk_slot)
+                return
+            self._lru[HOST].pop(e.key, None)
+            e.tier, e.slot = DISK, spill.disk_slot
+            self._lru[DISK][e.key] = e
+
+    def spill_failed(self, spill: Spill) -> None:
+        """The disk write failed: the entry stays in host memory, the disk slot is freed."""
+        with self._lock:
+            if spill.done or spill.failed:
+                return
+            spill.failed = True
+            e = spill.entry
+            e.spill_slot = None
+            self._pools[DISK].give(spill.disk_slot)
+            if e.gone and not e.pins[HOST]:  # discarded meanwhile: nobody owns the host slot now
+                self._pools[HOST].give(e.slot)
+
+    def host_readers(self, spill: Spill) -> int:
+        """Loads still reading the spilled entry's old host copy."""
+        with self._lock:
+            return spill.entry.pins[HOST]
 
     def publish(self, entries: Iterable[Entry]) -> None:
         """Make fully written entries visible (most recently used)."""
         with self._lock:
             for e in entries:
                 if e.gone:  # discarded while it was being written
-                    self._pool.give(e.slot)
+                    self._pools[e.tier].give(e.slot)
                     continue
                 e.ready = True
-                self._lru[e.key] = e
+                self._lru[e.tier][e.key] = e
 
-    def abort(self, entries: Iterable[Entry]) -> None:
-        """Drop pending entries whose store did not finish, freeing their slots."""
+    def abort(self, entries: Iterable[Entry], spills: Sequence[Spill]) -> None:
+        """Drop pending entries whose store did not finish.
+
+        A slot borrowed from a spill that did not complete still belongs to the
+        spilled entry and is not freed.
+        """
         with self._lock:
+            still_owned = {s.host_slot for s in spills if not s.done}
             for e in entries:
                 if not e.gone and self._entries.get(e.key) is e:
                     del self._entries[e.key]
-                self._pool.give(e.slot)
+                e.gone = True
+                if not (e.tier == HOST and e.slot in still_owned):
+                    self._pools[e.tier].give(e.slot)
 
     # -- load side ------------------------------------------------------------------
 
-    def pin(self, keys: Iterable[Hashable]) -> list[Entry]:
-        """Pin ready entries for a load (most recently used); :class:`MissingKeysError` if any is absent."""
+    def pin(self, keys: Sequence[Hashable]) -> list[tuple[Entry, int, int]]:
+        """Pin the current copy of each key for a load: ``(entry, tier, slot)``, most recently used.
+
+        Raises :class:`MissingKeysError`, pinning nothing, if any key is not ready.
+        """
         with self._lock:
             found = [self._entries.get(k) for k in keys]
             missing = [k for k, e in zip(keys, found) if e is None or not e.ready]
             if missing:
                 raise MissingKeysError(missing)
+            out = []
             for e in found:
                 assert e is not None
-                e.pins += 1
-                self._lru.move_to_end(e.key)
-            return found  # type: ignore[return-value]
+                e.pins[e.tier] += 1
+                self._lru[e.tier].move_to_end(e.key)
+                out.append((e, e.tier, e.slot))
+            return out
 
-    def unpin(self, entries: Iterable[Entry]) -> None:
+    def unpin(self, pinned: Iterable[tuple[Entry, int, int]]) -> None:
         """Release pins taken by :meth:`pin`."""
         with self._lock:
-            for e in entries:
-                e.pins -= 1
-                if e.gone and e.pins == 0:
-                    self._pool.give(e.slot)
+            for e, tier, slot in pinned:
+                e.pins[tier] -= 1
+                if e.gone and e.pins[tier] == 0 and e.tier == tier and e.spill_slot is None:
+                    self._pools[tier].give(slot)
 
     # -- removal --------------------------------------------------------------------
 
@@ -178,12 +300,14 @@ class BlockIndex:
                     continue
                 n += 1
                 self._remove(e)
-                if e.ready and not e.pins:
-                    self._pool.give(e.slot)
-                else:
-                    e.gone = True
+                e.gone = True
+                # Free now only what nobody uses: a pending slot is freed by its
+                # store, a pinned one at the last unpin, a spilling one when the
+                # spill ends (its host slot then belongs to the spilling store).
+                if e.ready and not e.pins[e.tier] and e.spill_slot is None:
+                    self._pools[e.tier].give(e.slot)
         return n
 
     def _remove(self, e: Entry) -> None:
         del self._entries[e.key]
-        self._lru.pop(e.key, None)
+        self._lru[e.tier].pop(e.key, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Hashable, Iterable, Mapping
@@ -17,7 +18,7 @@ from .lane import Lane
 from .layout import BlockLayout, check_block_mapping
 from .loops import LoopThread
 from .movers import make_mover
-from .tiers.host import HostTier
+from .tiers.storage import Storage
 from .transfer import Transfer, TransferResult
 
 __all__ = ["Offloader", "OffloaderStats"]
@@ -30,14 +31,22 @@ class OffloaderStats:
     host_slots: int
     host_free: int
     """Host slots neither holding an entry nor reserved by a running store."""
+    disk_slots: int
+    disk_free: int
     ready: int
-    """Stored keys visible to ``lookup``."""
+    """Stored keys visible to ``lookup`` (both tiers)."""
+    host_ready: int
+    disk_ready: int
     pending: int
     """Keys being written by running stores (not visible)."""
     pinned: int
     """Stored keys in use by running loads (never evicted)."""
+    spilling: int
+    """Host entries being written to disk to make room (still visible)."""
     evicted: int
     """Entries dropped to make room, since start."""
+    spilled: int
+    """Entries moved from host memory to disk, since start."""
     in_flight: int
     """Transfers started and not yet finished."""
     stores: int
@@ -78,16 +87,24 @@ class _Counters:
 class _Runtime:
     """Everything ``start()`` creates; closed by ``close()`` or when the offloader is collected."""
 
-    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], host_blocks: int, opts: dict[str, Any]) -> None:
+    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         self.layout = layout
-        self.host: HostTier | None = None
+        self.storage: Storage | None = None
         self.lanes: list[Lane] = []
         try:
-            self.host = HostTier(layout, host_blocks)
+            self.storage = Storage(
+                layout, opts["host_blocks"], opts["disk_path"], opts["disk_blocks"],
+                chunk_blocks=max(1, opts["chunk_bytes"] // layout.slot_bytes),
+                io_threads=opts["io_threads"], use_page_cache=opts["use_page_cache"],
+            )
             for name in ("store", "load"):
                 thread = LoopThread(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
-                mover = make_mover(layout, caches, chunk_bytes=opts["chunk_bytes"], use_batch_copy=opts["use_batch_copy"])
-                bridge = make_bridge(opts["completion"], thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
+                try:
+                    mover = make_mover(layout, caches, chunk_bytes=opts["chunk_bytes"], use_batch_copy=opts["use_batch_copy"])
+                    bridge = make_bridge(opts["completion"], thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
+                except BaseException:
+                    thread.stop(5.0)
+                    raise
                 self.lanes.append(Lane(thread, mover, bridge))
         except BaseException:
             self.close(timeout=5.0)
@@ -102,9 +119,11 @@ class _Runtime:
                 lane.bridge.close()
             lane.mover.close()
         self.lanes = []
-        if self.host is not None:
-            self.host.close()
-            self.host = None
+        if self.storage is not None:
+            ok = self.storage.close(timeout)
+            self.storage = None
+            if not ok:
+                raise OffloadError(f"disk IO thread did not stop within {timeout} s; its fd was left open")
 
 
 def _init_worker_thread(device: torch.device) -> Any:
@@ -148,18 +167,30 @@ class Offloader:
         chunk_bytes: int = 64 << 20,
         completion: Literal["thread", "poll"] = "poll",
         use_batch_copy: bool = True,
+        io_threads: int = 4,
+        use_page_cache: bool = False,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches)
         self._caches = dict(kv_caches)
-        _check_count("host_blocks", host_blocks, minimum=1)
+        _check_count("host_blocks", host_blocks, minimum=0)
         _check_count("disk_blocks", disk_blocks, minimum=0)
         _check_count("chunk_bytes", chunk_bytes, minimum=1)
-        if disk_path is not None or disk_blocks:
-            raise NotImplementedError("the disk tier is not available yet")
+        _check_count("io_threads", io_threads, minimum=1)
+        if disk_path is not None and not isinstance(disk_path, (str, os.PathLike)):
+            raise TypeError(f"disk_path must be a path or None, got {type(disk_path).__name__}")
+        if disk_blocks and disk_path is None:
+            raise ValueError("disk_blocks > 0 needs a disk_path")
+        if disk_path is not None and not disk_blocks:
+            raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
+        if not host_blocks and not disk_blocks:
+            raise ValueError("no room: host_blocks and disk_blocks are both 0")
         if completion not in ("thread", "poll"):
             raise ValueError(f"completion must be 'thread' or 'poll', got {completion!r}")
-        self._host_blocks = host_blocks
-        self._opts = {"chunk_bytes": chunk_bytes, "completion": completion, "use_batch_copy": use_batch_copy}
+        self._opts = {
+            "host_blocks": host_blocks, "disk_path": os.fspath(disk_path) if disk_path is not None else None,
+            "disk_blocks": disk_blocks, "chunk_bytes": chunk_bytes, "completion": completion,
+            "use_batch_copy": use_batch_copy, "io_threads": io_threads, "use_page_cache": bool(use_page_cache),
+        }
         self._lock = threading.Lock()
         self._runtime: _Runtime | None = None
         self._closed = False
@@ -179,7 +210,7 @@ class Offloader:
             if self._closed:
                 raise ClosedError("the offloader was closed; create a new one")
             if self._runtime is None:
-                self._runtime = _Runtime(self._layout, self._caches, self._host_blocks, self._opts)
+                self._runtime = _Runtime(self._layout, self._caches, self._opts)
                 self._finalizer = weakref.finalize(self, self._runtime.close, 5.0)
         return self
 
@@ -216,11 +247,15 @@ class Offloader:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def _running(self) -> _Runtime:
+    def _running(self) -> Storage:
         rt = self._runtime
-        if rt is None:
+        if rt is None or rt.storage is None:
             raise ClosedError("the offloader is closed" if self._closed else "the offloader is not started: use 'async with', 'with' or start()")
-        return rt
+        return rt.storage
+
+    def _lane(self, i: int) -> Lane:
+        assert self._runtime is not None
+        return self._runtime.lanes[i]
 
     # -- transfers ----------------------------------------------------------------
 
@@ -237,16 +272,14 @@ class Offloader:
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False)
         self._check_after(after)
         with self._lock:
-            rt = self._running()
-            assert rt.host is not None
-            host = rt.host
-            plan = host.plan_store(checked)
-            if not plan.pairs:
+            storage = self._running()
+            plan = storage.plan_store(checked)
+            if not plan.reservation.entries:
                 t = Transfer("store")
-                t._finish(result=TransferResult("store", (), plan.skipped, 0, 0.0))
+                t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
                 return t
             return self._launch(
-                rt.lanes[0], "store", lambda lane, ev: host.run_store(lane, plan, ev), lambda: host.end_store(plan), after
+                self._lane(0), "store", lambda lane, ev: storage.run_store(lane, plan, ev), lambda: storage.end_store(plan), after
             )
 
     def load(self, blocks: Mapping[Hashable, int], *, after: Any = None) -> Transfer:
@@ -261,15 +294,15 @@ class Offloader:
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True)
         self._check_after(after)
         with self._lock:
-            rt = self._running()
-            assert rt.host is not None
-            host = rt.host
+            storage = self._running()
             if not checked:
                 t = Transfer("load")
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
                 return t
-            plan = host.plan_load(checked)
-            return self._launch(rt.lanes[1], "load", lambda lane, ev: host.run_load(lane, plan, ev), lambda: host.end_load(plan), after)
+            plan = storage.plan_load(checked)
+            return self._launch(
+                self._lane(1), "load", lambda lane, ev: storage.run_load(lane, plan, ev), lambda: storage.end_load(plan), after
+            )
 
     def _check_after(self, after: Any) -> None:
         if after is None:
@@ -302,34 +335,36 @@ class Offloader:
     # -- index ----------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
-        """How many leading ``keys`` are stored (a prefix-cache hit length)."""
-        rt = self._running()
-        assert rt.host is not None
-        return rt.host.index.lookup(keys)
+        """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length)."""
+        return self._running().index.lookup(keys)
 
     def __contains__(self, key: Hashable) -> bool:
         rt = self._runtime
-        return rt is not None and rt.host is not None and key in rt.host.index
+        return rt is not None and rt.storage is not None and key in rt.storage.index
 
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget stored keys; returns how many were present. Running loads of them finish normally."""
-        rt = self._running()
-        assert rt.host is not None
-        return rt.host.index.discard(keys)
+        return self._running().index.discard(keys)
 
     def stats(self) -> OffloaderStats:
         """A snapshot of slot use and transfer counters."""
         rt = self._runtime
-        c = rt.host.index.counts() if rt is not None and rt.host is not None else {}
+        c = rt.storage.index.counts() if rt is not None and rt.storage is not None else {}
         k = self._counters
         with k.lock:
             return OffloaderStats(
-                host_slots=self._host_blocks,
-                host_free=c.get("free", 0),
-                ready=c.get("ready", 0),
+                host_slots=self._opts["host_blocks"],
+                host_free=c.get("host_free", 0),
+                disk_slots=self._opts["disk_blocks"],
+                disk_free=c.get("disk_free", 0),
+                ready=c.get("host_ready", 0) + c.get("disk_ready", 0),
+                host_ready=c.get("host_ready", 0),
+                disk_ready=c.get("disk_ready", 0),
                 pending=c.get("pending", 0),
                 pinned=c.get("pinned", 0),
+                spilling=c.get("spilling", 0),
                 evicted=c.get("evicted", 0),
+                spilled=c.get("spilled", 0),
                 in_flight=k.in_flight,
                 stores=k.stores,
                 loads=k.loads,

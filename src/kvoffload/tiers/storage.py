@@ -1,0 +1,175 @@
+"""Where blocks go: the index over both tiers, and the store/load plans that use them.
+
+A store reserves slots in the store tier (host memory if it has slots, else
+disk). If that takes spilling least-recently-used host entries to disk, the
+store first writes them out (they stay loadable from host memory meanwhile),
+then copies its own blocks, publishing each chunk as it lands. A load pins each
+key's current copy and reads host-resident keys and disk-resident keys in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..index import DISK, HOST, BlockIndex, Entry, Reservation
+from ..lane import Lane
+from ..layout import BlockLayout
+from ..transfer import TransferResult
+from .disk import DiskTier
+from .host import HostTier, chunked
+
+__all__ = ["Storage", "StorePlan", "LoadPlan"]
+
+
+@dataclass
+class StorePlan:
+    """A store's reservation and source blocks; tracks what is published."""
+
+    reservation: Reservation
+    block_ids: list[int]
+    started: float = field(default_factory=time.perf_counter)
+    published: int = 0
+    finished: bool = False
+
+
+@dataclass
+class LoadPlan:
+    """A load's pinned copies and destination blocks."""
+
+    pinned: list[tuple[Entry, int, int]]  # (entry, tier, slot)
+    block_ids: list[int]
+    started: float = field(default_factory=time.perf_counter)
+    released: bool = False
+
+
+class Storage:
+    """The host and disk tiers with their common index."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        host_blocks: int,
+        disk_path: str | None,
+        disk_blocks: int,
+        *,
+        chunk_blocks: int,
+        io_threads: int,
+        use_page_cache: bool,
+    ) -> None:
+        self.layout = layout
+        self.index = BlockIndex(host_blocks, disk_blocks)
+        self.host: HostTier | None = None
+        self.disk: DiskTier | None = None
+        try:
+            if host_blocks:
+                self.host = HostTier(layout, host_blocks)
+            if disk_blocks:
+                assert disk_path is not None
+                self.disk = DiskTier(
+                    layout, disk_path, disk_blocks, chunk_blocks=chunk_blocks, io_threads=io_threads,
+                    use_page_cache=use_page_cache, store_bounce=not host_blocks,
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- store ------------------------------------------------------------------------
+
+    def plan_store(self, blocks: dict[Hashable, int]) -> StorePlan:
+        """Reserve slots for the keys not yet present (may raise CapacityError)."""
+        r = self.index.reserve(blocks)
+        return StorePlan(r, [blocks[e.key] for e in r.entries])
+
+    async def run_store(self, lane: Lane, plan: StorePlan, after: Any) -> TransferResult:
+        """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
+        if after is not None:
+            lane.mover.wait_for(after)
+        entries = plan.reservation.entries
+        if plan.reservation.spills:
+            await self._spill(plan)
+
+        def landed(n: int) -> None:
+            self.index.publish(entries[plan.published : plan.published + n])
+            plan.published += n
+
+        pairs = [(b, e.slot) for b, e in zip(plan.block_ids, entries)]
+        if self.index.store_tier == HOST:
+            assert self.host is not None
+            await self.host.copy_in(lane, pairs, landed)
+        else:
+            assert self.disk is not None
+            await self.disk.store(lane, pairs, landed)
+        keys = tuple(e.key for e in entries)
+        return TransferResult(
+            "store", keys, tuple(plan.reservation.skipped), len(keys) * self.layout.block_bytes,
+            time.perf_counter() - plan.started,
+        )
+
+    async def _spill(self, plan: StorePlan) -> None:
+        assert self.host is not None and self.disk is not None
+        host = self.host.array
+        spills = plan.reservation.spills
+        for group in chunked(spills, self.disk.chunk_blocks):
+            try:
+                await self.disk.write_rows(host, [s.host_slot for s in group], [s.disk_slot for s in group])
+            except BaseException:
+                for s in group:
+                    self.index.spill_failed(s)
+                raise
+            for s in group:
+                self.index.spill_done(s)
+        # A load that pinned a spilled entry's host copy before it moved may still be reading it.
+        while any(self.index.host_readers(s) for s in spills):
+            await asyncio.sleep(0.001)
+
+    def end_store(self, plan: StorePlan) -> None:
+        """Undo what the store did not finish (idempotent): unstarted spills, unpublished entries."""
+        if plan.finished:
+            return
+        plan.finished = True
+        for s in plan.reservation.spills:
+            self.index.spill_failed(s)  # no-op for spills that completed
+        self.index.abort(plan.reservation.entries[plan.published :], plan.reservation.spills)
+
+    # -- load -------------------------------------------------------------------------
+
+    def plan_load(self, blocks: dict[Hashable, int]) -> LoadPlan:
+        """Pin the current copy of every key (may raise MissingKeysError)."""
+        keys = list(blocks)
+        return LoadPlan(self.index.pin(keys), [blocks[k] for k in keys])
+
+    async def run_load(self, lane: Lane, plan: LoadPlan, after: Any) -> TransferResult:
+        """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
+        if after is not None:
+            lane.mover.wait_for(after)
+        from_host = [(slot, b) for (_, tier, slot), b in zip(plan.pinned, plan.block_ids) if tier == HOST]
+        from_disk = [(slot, b) for (_, tier, slot), b in zip(plan.pinned, plan.block_ids) if tier == DISK]
+        if from_host:
+            assert self.host is not None
+            await self.host.copy_out(lane, from_host)
+        if from_disk:
+            assert self.disk is not None
+            await self.disk.load(lane, from_disk)
+        keys = tuple(e.key for e, _, _ in plan.pinned)
+        return TransferResult("load", keys, (), len(keys) * self.layout.block_bytes, time.perf_counter() - plan.started)
+
+    def end_load(self, plan: LoadPlan) -> None:
+        """Release the load's pins (idempotent)."""
+        if not plan.released:
+            plan.released = True
+            self.index.unpin(plan.pinned)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Free both tiers (no copy may be running); False if the disk's IO threads are stuck."""
+        ok = True
+        if self.disk is not None:
+            ok = self.disk.close(timeout)
+            self.disk = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        return ok
