@@ -171,3 +171,68 @@ async def test_many_concurrent_transfers_gpu():
         torch.cuda.synchronize()
         for n in caches:
             assert same_bytes(caches[n].flip(0), orig[n])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("host_blocks", [0, 32], ids=["disk-only", "spill"])
+@pytest.mark.parametrize("chunk_blocks", [2, 64])
+async def test_gpu_disk_round_trip(tmp_path, host_blocks, chunk_blocks):
+    caches = gpu_caches(256, seed=5)
+    orig = {n: t.clone() for n, t in caches.items()}
+    g = torch.Generator().manual_seed(3)
+    src = torch.randperm(256, generator=g).tolist()[:160]
+    dst = torch.randperm(256, generator=g).tolist()[:160]
+    async with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=200,
+                                   chunk_bytes=chunk_blocks * caches_block(caches)) as off:
+        for i in range(0, 160, 16):
+            await off.store({k: src[k] for k in range(i, i + 16)})
+        s = off.stats()
+        assert s.ready == 160 and s.disk_ready == 160 - host_blocks
+        for t in caches.values():
+            t.zero_()
+        await off.load({k: dst[k] for k in range(160)})
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][dst], orig[n][src]), n
+    assert not (tmp_path / "kv").exists()
+
+
+@pytest.mark.asyncio
+async def test_gpu_disk_store_waits_for_callers_stream(tmp_path):
+    caches = gpu_caches(16)
+    side = torch.cuda.Stream()
+    async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=16) as off:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for t in caches.values():
+                t[3].view(torch.uint8).fill_(0x3C)
+            transfer = off.store({"k": 3})
+        await transfer
+        await off.load({"k": 7})
+        torch.cuda.synchronize()
+        assert all(bool((t[7].view(torch.uint8) == 0x3C).all()) for t in caches.values())
+
+
+@pytest.mark.asyncio
+async def test_gpu_disk_cancel_mid_transfer(tmp_path):
+    caches = gpu_caches(256, seed=6)
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=256,
+                                   chunk_bytes=4 * caches_block(caches)) as off:
+        t = off.store({i: i for i in range(256)})
+        await asyncio.sleep(0.002)
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+        s = off.stats()
+        assert s.pending == 0 and s.in_flight == 0 and s.disk_free + s.disk_ready == 256
+        visible = [i for i in range(256) if i in off]
+        for x in caches.values():
+            x.zero_()
+        if visible:
+            await off.load({k: k for k in visible})
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][visible], orig[n][visible])

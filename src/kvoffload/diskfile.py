@@ -55,10 +55,9 @@ class DiskFile:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # an old file keeps its own mode; a planted symlink would be followed
         want_direct = not use_page_cache and O_DIRECT != 0
-        self.fd = self._open(want_direct)
-        self.direct = want_direct
+        self.fd, self.direct = self._open(want_direct)
         try:
-            if want_direct and not self._direct_io_works():
+            if self.direct and not self._direct_io_works():
                 log.warning("%s: the file system rejects O_DIRECT IO; using buffered IO (page cache)", self.path)
                 import fcntl
 
@@ -69,17 +68,18 @@ class DiskFile:
             self.close()
             raise
 
-    def _open(self, direct: bool) -> int:
+    def _open(self, direct: bool) -> tuple[int, bool]:
+        """Create the file; returns ``(fd, O_DIRECT in use)``."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            return os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
+            return os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600), direct
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
         log.warning("%s: the file system does not support O_DIRECT; using buffered IO (page cache)", self.path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        return os.open(self.path, flags, 0o600)
+        return os.open(self.path, flags, 0o600), False
 
     def _direct_io_works(self) -> bool:
         import mmap

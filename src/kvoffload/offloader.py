@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from .cuda.events import make_bridge
+from .diskfile import IoCalls
 from .errors import ClosedError, OffloadError, TransferError
 from .lane import Lane
 from .layout import BlockLayout, check_block_mapping
@@ -333,6 +334,16 @@ class Offloader:
         return transfer
 
     # -- index ----------------------------------------------------------------------
+
+    @property
+    def disk_io(self) -> IoCalls | None:
+        """The system calls the disk tier makes (``pwritev``, ``preadv``), or None without a disk tier.
+
+        A test seam: replace its attributes to inject faults (short writes,
+        ENOSPC, EIO, slow IO). Nothing else should need it.
+        """
+        storage = self._running()
+        return storage.disk.file.io if storage.disk is not None else None
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length)."""
