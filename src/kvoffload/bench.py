@@ -161,26 +161,120 @@ def host_throughput(gib: float, layers: int) -> dict[str, Any]:
     return out
 
 
+class RawDirectIo:
+    """The disk ceiling: ``threads`` threads doing O_DIRECT pwritev / preadv of ``nbytes`` in 8 MiB calls."""
+
+    def __init__(self, path: str, nbytes: int, threads: int, job_bytes: int = 8 << 20) -> None:
+        import mmap
+        import os
+
+        self.path, self.nbytes, self.threads = path, nbytes, threads
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+        os.posix_fallocate(self.fd, 0, nbytes)
+        self.bufs = [mmap.mmap(-1, job_bytes) for _ in range(threads)]
+        for b in self.bufs:
+            b.write(os.urandom(job_bytes))
+        self.offsets = list(range(0, nbytes, job_bytes))
+
+    def _run(self, op: Any) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def worker(i: int) -> None:
+            for off in self.offsets[i :: self.threads]:
+                op(self.fd, [self.bufs[i]], off)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(worker, range(self.threads)))
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def write(self) -> float:
+        """GB/s of one pass of writes."""
+        import os
+
+        return self._run(os.pwritev)
+
+    def read(self) -> float:
+        """GB/s of one pass of reads."""
+        import os
+
+        return self._run(os.preadv)
+
+    def close(self) -> None:
+        import os
+
+        for b in self.bufs:
+            b.close()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def disk_throughput(gib: float, layers: int, disk_dir: str | None, io_threads: int, rounds: int = 3) -> dict[str, Any]:
+    """Disk store/load with no host tier beside raw multi-threaded O_DIRECT on the same file system.
+
+    Rounds alternate ceiling and kvoffload so that both see the same disk
+    weather; each figure is the best of its rounds.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from .demo import make_cache
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    block_bytes = layers * 2 * 16 * 8 * 128 * 2
+    nblocks = max(2, int(gib * 2**30) // block_bytes)
+    nbytes = nblocks * block_bytes
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-", dir=disk_dir)
+    raw = None
+    try:
+        raw = RawDirectIo(os.path.join(tmp, "raw"), nbytes, io_threads)
+        caches = make_cache(nblocks, layers, dev)
+        perm = torch.randperm(nblocks).tolist()
+        cw, cr, st, ld = [], [], [], []
+        with Offloader(caches, host_blocks=0, disk_path=os.path.join(tmp, "kv"), disk_blocks=nblocks, io_threads=io_threads) as off:
+            for _ in range(rounds):
+                off.discard(range(nblocks))
+                cw.append(raw.write())
+                st.append(off.store({i: perm[i] for i in range(nblocks)}).result().gbps)
+                cr.append(raw.read())
+                ld.append(off.load({i: perm[i] for i in range(nblocks)}).result().gbps)
+        out: dict[str, Any] = {"bytes": nbytes, "io_threads": io_threads, "rounds": rounds,
+                               "ceiling_write": max(cw), "ceiling_read": max(cr), "store": max(st), "load": max(ld)}
+        out["store_vs_ceiling"] = out["store"] / out["ceiling_write"]
+        out["load_vs_ceiling"] = out["load"] / out["ceiling_read"]
+        return out
+    finally:
+        if raw is not None:
+            raw.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints a table, optionally writes JSON."""
     p = argparse.ArgumentParser(prog="kvoffload bench")
     p.add_argument("--gib", type=float, default=None, help="bytes per throughput transfer (default 2 GiB on GPU, 0.25 on CPU)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--disk-gib", type=float, default=None, help="bytes per disk transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
+    p.add_argument("--io-threads", type=int, default=4)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     res: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
                            "gpu": torch.cuda.get_device_name() if cuda else None}
-    print("[1/3] wake floor ...", flush=True)
+    print("[1/4] wake floor ...", flush=True)
     res["wake_floor"] = wake_floor()
     if cuda:
-        print("[2/3] completion bridges ...", flush=True)
+        print("[2/4] completion bridges ...", flush=True)
         for kind in ("thread", "poll"):
             res[f"bridge_{kind}"] = bridge_latency(kind)
             res[f"store1_{kind}"] = transfer_latency(kind)
             res[f"idle_cpu_{kind}"] = idle_cpu_while_pending(kind)
-    print("[3/3] host throughput ...", flush=True)
+    print("[3/4] host throughput ...", flush=True)
     res["host"] = host_throughput(args.gib or (2.0 if cuda else 0.25), args.layers)
+    print("[4/4] disk throughput ...", flush=True)
+    res["disk"] = disk_throughput(args.disk_gib or (2.0 if cuda else 0.25), args.layers, args.disk_dir, args.io_threads)
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -26,7 +26,7 @@ import numpy as np
 from .errors import OffloadError
 from .layout import SLOT_ALIGN, runs
 
-__all__ = ["DiskFile", "IoCalls", "run_io"]
+__all__ = ["DiskFile", "IoCalls", "IoBatch", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
@@ -153,24 +153,37 @@ def io_jobs(host: np.ndarray, row_ids: Sequence[int], slots: Sequence[int], job_
     return jobs
 
 
-async def run_io(pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
-    """Run ``calls`` on the IO pool concurrently; return when all succeeded.
+class IoBatch:
+    """IO calls submitted to the pool at once; await :meth:`wait` for all of them.
 
-    On cancellation or the first error, calls not yet started are cancelled and
-    the running ones are waited for (a ``pwritev`` cannot be recalled) before the
-    exception propagates, so no IO on the caller's buffers is left behind.
+    Submitting is synchronous, so the calls are running on the IO threads
+    while the event loop goes on to the next chunk's copy.
     """
-    futures = [pool.submit(c) for c in calls]
-    try:
-        for f in futures:
-            await asyncio.wrap_future(f)
-    except BaseException:
-        for f in futures:
+
+    def __init__(self, pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
+        self._futures = [pool.submit(c) for c in calls]
+
+    async def wait(self) -> None:
+        """Return when every call succeeded.
+
+        On cancellation or the first error, calls not yet started are cancelled
+        and running ones are waited for (a ``pwritev`` cannot be recalled)
+        before the exception propagates: no IO on the buffers is left behind.
+        """
+        try:
+            for f in self._futures:
+                await asyncio.wrap_future(f)
+        except BaseException:
+            await self.settle()
+            raise
+
+    async def settle(self) -> None:
+        """Cancel what has not started, wait for what runs; never raises."""
+        for f in self._futures:
             f.cancel()
-        for f in futures:
+        for f in self._futures:
             while not f.done():
                 try:
                     await asyncio.shield(asyncio.wrap_future(f))
                 except BaseException:
                     pass
-        raise

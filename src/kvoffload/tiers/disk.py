@@ -16,7 +16,6 @@ The event loops never block on IO: they await futures of the IO pool.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections import deque
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..diskfile import DiskFile, io_jobs, run_io
+from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..hostmem import HostBuffer
 from ..lane import Lane
 from ..layout import BlockLayout
@@ -71,15 +70,15 @@ class DiskTier:
 
     # -- raw IO between host rows and disk slots ------------------------------------
 
-    async def write_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> None:
-        """Write host rows to disk slots (pairwise) on the IO pool."""
+    def write_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> IoBatch:
+        """Start writing host rows to disk slots (pairwise) on the IO pool."""
         jobs = io_jobs(host, rows, slots, self.job_bytes)
-        await run_io(self.pool, [functools.partial(self.file.write, bufs, off) for off, bufs in jobs])
+        return IoBatch(self.pool, [functools.partial(self.file.write, bufs, off) for off, bufs in jobs])
 
-    async def read_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> None:
-        """Read disk slots into host rows (pairwise) on the IO pool."""
+    def read_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> IoBatch:
+        """Start reading disk slots into host rows (pairwise) on the IO pool."""
         jobs = io_jobs(host, rows, slots, self.job_bytes)
-        await run_io(self.pool, [functools.partial(self.file.read, bufs, off) for off, bufs in jobs])
+        return IoBatch(self.pool, [functools.partial(self.file.read, bufs, off) for off, bufs in jobs])
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
@@ -89,25 +88,25 @@ class DiskTier:
         bounce = self._store_bounce.tensor.view(-1, self.layout.slot_bytes)
         host = bounce.numpy()
         c = self.chunk_blocks
-        writes: deque[tuple[asyncio.Task[None], int]] = deque()
+        writes: deque[tuple[IoBatch, int]] = deque()
         event: Any = None
         try:
             for i, chunk in enumerate(chunked(pairs, c)):
                 if len(writes) == 2:  # this half's previous write must be done
-                    await writes[0][0]
+                    await writes[0][0].wait()
                     landed(writes.popleft()[1])
                 rows = list(range((i % 2) * c, (i % 2) * c + len(chunk)))
                 event = lane.mover.to_host([b for b, _ in chunk], bounce, rows)
                 await lane.wait(event)
                 event = None
-                task = asyncio.ensure_future(self.write_rows(host, rows, [s for _, s in chunk]))
-                writes.append((task, len(chunk)))
+                writes.append((self.write_rows(host, rows, [s for _, s in chunk]), len(chunk)))
             while writes:
-                await writes[0][0]
+                await writes[0][0].wait()
                 landed(writes.popleft()[1])
         except BaseException:
             await lane.settle(event)
-            await _settle_tasks([t for t, _ in writes])
+            for w, _ in writes:
+                await w.settle()
             raise
 
     async def load(self, lane: Lane, pairs: Sequence[tuple[int, int]]) -> None:
@@ -118,15 +117,15 @@ class DiskTier:
         chunks = chunked(pairs, c)
         rows_of = [list(range((i % 2) * c, (i % 2) * c + len(ch))) for i, ch in enumerate(chunks)]
 
-        def read(i: int) -> asyncio.Task[None]:
-            return asyncio.ensure_future(self.read_rows(host, rows_of[i], [s for s, _ in chunks[i]]))
+        def read(i: int) -> IoBatch:
+            return self.read_rows(host, rows_of[i], [s for s, _ in chunks[i]])
 
         copies: deque[Any] = deque()  # completion events of copies out of the bounce buffer
-        reading: asyncio.Task[None] | None = read(0) if chunks else None
+        reading: IoBatch | None = read(0) if chunks else None
         try:
             for i, chunk in enumerate(chunks):
                 assert reading is not None
-                await reading
+                await reading.wait()
                 reading = None
                 if i + 1 < len(chunks):
                     if copies:  # the next read's half was last copied out by chunk i-1
@@ -136,7 +135,8 @@ class DiskTier:
             while copies:
                 await lane.wait(copies.popleft())
         except BaseException:
-            await _settle_tasks([reading] if reading is not None else [])
+            if reading is not None:
+                await reading.settle()
             if copies:
                 await lane.settle(copies[-1])
             raise
@@ -154,15 +154,3 @@ class DiskTier:
             b.close()
         self._bounce = []
         return True
-
-
-async def _settle_tasks(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    """Cancel ``tasks`` and wait until each has ended, even if cancelled meanwhile."""
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        while not t.done():
-            try:
-                await asyncio.shield(t)
-            except BaseException:
-                pass

@@ -115,7 +115,7 @@ class Storage:
         spills = plan.reservation.spills
         for group in chunked(spills, self.disk.chunk_blocks):
             try:
-                await self.disk.write_rows(host, [s.host_slot for s in group], [s.disk_slot for s in group])
+                await self.disk.write_rows(host, [s.host_slot for s in group], [s.disk_slot for s in group]).wait()
             except BaseException:
                 for s in group:
                     self.index.spill_failed(s)
