@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine: the whole test suite (GPU tests included), the demo
 # on a 2 GiB cache, and the benchmark. Results land in $OUT (or ./out).
+# TESTS_ONLY=1 skips demo and bench; PYTEST_ARGS picks tests.
 # Needs the pytest-asyncio wheel in .whl/ when the machine lacks it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,8 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/machine.txt"
 rc=0
-python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" || rc=1
+python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" || rc=1
+[ -n "${TESTS_ONLY:-}" ] && exit $rc
 python3 -m kvoffload.cli demo --gib ${DEMO_GIB:-2} 2>&1 | tee "$OUT/demo.log" || rc=1
 python3 -m kvoffload.cli bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -60 || rc=1
 exit $rc

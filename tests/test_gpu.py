@@ -51,7 +51,7 @@ def test_batch_copy_resolved_and_slab_pinned():
 
     assert BatchCopy().batched, "cuMemcpyBatchAsync should resolve on a CUDA 12.8+ driver"
     with kvoffload.Offloader(gpu_caches(8), host_blocks=8) as off:
-        buf = off._runtime.host.buffer
+        buf = off._runtime.storage.host.buffer
         assert buf.pinned
         err, _flags = driver().cuMemHostGetFlags(buf.address)
         assert int(err) == 0, "host slab is not page-locked"
