@@ -136,6 +136,13 @@ def runs(*seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     n = len(seqs[0])
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if n <= 32:  # small transfers: plain Python beats numpy's per-call overhead
+        starts = [0]
+        for i in range(1, n):
+            if any(s[i] != s[i - 1] + 1 for s in seqs):
+                starts.append(i)
+        st = np.array(starts, dtype=np.int64)
+        return st, np.diff(np.append(st, n)) if len(st) > 1 else np.array([n], dtype=np.int64)
     breaks = np.zeros(n - 1, dtype=bool)
     for s in seqs:
         breaks |= np.diff(np.asarray(s, dtype=np.int64)) != 1

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .transfer import Transfer, TransferResult
+from .wakeup import Mailbox
 
 __all__ = ["LoopThread"]
 
@@ -26,6 +27,7 @@ class LoopThread:
     def __init__(self, name: str, on_thread_start: Callable[[], Any] | None = None) -> None:
         self.name = name
         self.loop = asyncio.new_event_loop()
+        self.mailbox = Mailbox(self.loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_thread_start = on_thread_start
         self._ready = threading.Event()
@@ -73,7 +75,7 @@ class LoopThread:
             task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup))
             transfer._set_canceller(lambda: self._cancel(task))
 
-        self.loop.call_soon_threadsafe(create)
+        self.mailbox.post(create)
 
     def _cancel(self, task: asyncio.Task[Any]) -> None:
         # On the loop's own thread cancel at once: a task cancelled before its
@@ -82,7 +84,7 @@ class LoopThread:
         if self.in_thread():
             task.cancel()
         else:
-            self.loop.call_soon_threadsafe(task.cancel)
+            self.mailbox.post(task.cancel)
 
     def _task_done(self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any]) -> None:
         self._tasks.discard(task)
@@ -98,7 +100,7 @@ class LoopThread:
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on the loop soon (thread-safe)."""
-        self.loop.call_soon_threadsafe(fn)
+        self.mailbox.post(fn)
 
     def stop(self, timeout: float) -> bool:
         """Cancel every task, wait for them to end, stop the loop and join the thread.

@@ -2,8 +2,9 @@
 
 A transfer runs as a task on one of the offloader's worker loops. The handle
 bridges its outcome to whoever waits: any asyncio loop in any thread (``await``),
-a plain thread (``result()``), or a callback. Exactly one cross-thread wake-up
-per waiting loop is spent when the transfer ends.
+a plain thread (``result()``), or a callback. At most one cross-thread wake-up
+per waiting loop is spent when the transfer ends, shared with every other
+transfer that ends before that loop runs (see ``wakeup.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
+
+from .wakeup import mailbox_of
 
 __all__ = ["Transfer", "TransferResult"]
 
@@ -146,9 +149,13 @@ class Transfer:
 
     def _finished_on(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = loop.create_future()
+        box = mailbox_of(loop)
 
         def wake(_: Transfer) -> None:
-            loop.call_soon_threadsafe(_resolve, fut)
+            try:
+                box.post(_resolve, fut)
+            except RuntimeError:  # the waiting loop was closed meanwhile: nobody to wake
+                pass
 
         with self._lock:
             if self._state == _PENDING:

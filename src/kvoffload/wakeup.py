@@ -1,0 +1,69 @@
+"""Coalesced cross-thread calls into an event loop.
+
+``loop.call_soon_threadsafe`` costs a write to the loop's self-pipe (and a
+wake-up) per call. Under load, thousands of transfers start and finish per
+second, so calls into one loop are queued in a :class:`Mailbox` and the loop is
+woken once per batch: the first call after the loop drained the mailbox pays
+for the wake-up, the calls that arrive before it runs ride along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Mailbox", "mailbox_of"]
+
+
+class Mailbox:
+    """Thread-safe queue of callbacks for one loop, drained in one loop callback per batch."""
+
+    __slots__ = ("_loop", "_lock", "_calls", "_scheduled", "__weakref__")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._scheduled = False
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop soon. Raises RuntimeError if the loop is closed."""
+        with self._lock:
+            self._calls.append((fn, args))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except BaseException:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+            self._scheduled = False
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception as e:  # one bad callback must not drop the rest
+                self._loop.call_exception_handler({"message": "kvoffload mailbox callback failed", "exception": e})
+
+
+_boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+_boxes_lock = threading.Lock()
+
+
+def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The mailbox of ``loop`` (created on first use, dropped with the loop)."""
+    box = _boxes.get(loop)
+    if box is None:
+        with _boxes_lock:
+            box = _boxes.get(loop)
+            if box is None:
+                box = _boxes[loop] = Mailbox(loop)
+    return box
