@@ -1,20 +1,30 @@
-"""``kvoffload bench``: kvoffload beside the ceiling, in one run, with ratios.
+"""``kvoffload bench``: kvoffload beside the ceiling and the seed-style baseline, in one run.
 
-Scenarios now: completion latency of each CUDA completion bridge beside the
-bare cross-thread wake floor (``call_soon_threadsafe`` into an idle loop), and
-host-tier store/load throughput (contiguous and random block ids) beside one
-large pinned copy each way. CPU-only machines run what needs no CUDA.
+Every scenario runs the ceiling (what the hardware does with one large copy, or
+raw multi-threaded O_DIRECT IO), the seed-style baseline (``benchmarks/seed_baseline.py``:
+a background thread per direction fed by a queue, one descriptor per layer per
+block, completion by polling a shared list of events; disk one block at a time)
+and kvoffload, on the same data, and reports GB/s and ratios. On a machine
+without CUDA the scenarios that need no GPU run on CPU tensors.
+
+Usage: ``kvoffload bench [--gib 2] [--layout 32x2x16x8x128:bf16] [--json out.json] [--plot out.png]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +32,55 @@ import torch
 from .loops import LoopThread
 from .offloader import Offloader
 
-__all__ = ["main"]
+__all__ = ["main", "Layout"]
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+
+
+class Layout:
+    """A KV layout: ``layers`` tensors of ``[blocks, *block_shape]`` in ``dtype``."""
+
+    def __init__(self, spec: str = "32x2x16x8x128:bf16") -> None:
+        dims, _, dt = spec.partition(":")
+        parts = [int(x) for x in dims.split("x")]
+        if len(parts) < 2 or any(p <= 0 for p in parts):
+            raise ValueError(f"layout {spec!r}: want LAYERSxD1x...:dtype, e.g. 32x2x16x8x128:bf16")
+        self.spec = spec
+        self.layers, self.block_shape = parts[0], tuple(parts[1:])
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}[dt or "bf16"]
+        elems = 1
+        for d in self.block_shape:
+            elems *= d
+        self.piece_bytes = elems * torch.empty(0, dtype=self.dtype).element_size()
+        self.block_bytes = self.piece_bytes * self.layers
+
+    def blocks_for(self, gib: float) -> int:
+        return max(2, int(gib * 2**30) // self.block_bytes)
+
+    def cache(self, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Random cache (random bits, never zeros)."""
+        out = {}
+        for i in range(self.layers):
+            raw = torch.randint(-(2**31), 2**31 - 1, (num_blocks * self.piece_bytes // 4,), dtype=torch.int32, device=device)
+            out[f"layer.{i}"] = raw.view(torch.uint8).view(self.dtype).view(num_blocks, *self.block_shape)
+        return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _best_gbps(nbytes: int, fn: Callable[[], Any], dev: torch.device, reps: int = 3) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -30,12 +88,264 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _summary(xs: list[float]) -> dict[str, float]:
+def _lat(xs: list[float]) -> dict[str, float]:
     return {"p50_us": _pct(xs, 0.5) * 1e6, "p99_us": _pct(xs, 0.99) * 1e6, "mean_us": statistics.fmean(xs) * 1e6}
 
 
-def wake_floor(n: int = 2000) -> dict[str, float]:
-    """Latency of one ``call_soon_threadsafe`` hop from a plain thread into an idle loop."""
+def load_baseline(path: str | None) -> Any:
+    """Import ``benchmarks/seed_baseline.py`` (from ``path``, the checkout, or the cwd); None if absent."""
+    candidates = [Path(path)] if path else [Path(__file__).resolve().parents[2] / "benchmarks" / "seed_baseline.py",
+                                            Path.cwd() / "benchmarks" / "seed_baseline.py"]
+    for p in candidates:
+        if p.is_file():
+            spec = importlib.util.spec_from_file_location("seed_baseline", p)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod
+    return None
+
+
+class Report:
+    """Rows of the summary table, printed as they come (the progress display)."""
+
+    def __init__(self, steps: int) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+        self.steps = steps
+        self.step = 0
+        self.t0 = time.perf_counter()
+
+    def begin(self, what: str) -> None:
+        self.step += 1
+        print(f"[{self.step}/{self.steps} {time.perf_counter() - self.t0:6.1f}s] {what} ...", flush=True)
+
+    def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
+            baseline: float | None = None, note: str = "") -> None:
+        r = {"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "ceiling": ceiling, "baseline": baseline,
+             "vs_ceiling": kvoffload / ceiling if ceiling else None, "vs_baseline": kvoffload / baseline if baseline else None,
+             "note": note}
+        self.rows.append(r)
+        print("    " + _fmt_row(r), flush=True)
+
+    def table(self) -> str:
+        head = f"{'scenario':38s} {'unit':>10s} {'kvoffload':>10s} {'ceiling':>10s} {'baseline':>10s} {'/ceil':>7s} {'/base':>7s}"
+        return "\n".join([head, "-" * len(head)] + [_fmt_row(r) for r in self.rows])
+
+
+def _fmt_row(r: dict[str, Any]) -> str:
+    def num(x: float | None, fmt: str = "10.2f") -> str:
+        return format(x, fmt) if x is not None else " " * (int(fmt.split(".")[0]) - 1) + "-"
+
+    return (f"{r['scenario']:38s} {r['unit']:>10s} {num(r['kvoffload'])} {num(r['ceiling'])} {num(r['baseline'])} "
+            f"{num(r['vs_ceiling'], '7.2f')} {num(r['vs_baseline'], '7.2f')}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios
+
+
+def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any) -> None:
+    """Host store/load, contiguous and random ids; both directions at once."""
+    from .hostmem import HostBuffer
+
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"host tier: {nbytes / 2**30:.2f} GiB per transfer, ceiling = one large copy")
+    pin = dev.type == "cuda"
+    hb = HostBuffer(2 * nbytes, pin=pin)
+    dbuf = torch.empty(2 * nbytes, dtype=torch.uint8, device=dev)
+    h1, h2 = hb.tensor[:nbytes], hb.tensor[nbytes:]
+    d1, d2 = dbuf[:nbytes], dbuf[nbytes:]
+    ceil_d2h = _best_gbps(nbytes, lambda: h1.copy_(d1, non_blocking=True), dev)
+    ceil_h2d = _best_gbps(nbytes, lambda: d1.copy_(h1, non_blocking=True), dev)
+    if dev.type == "cuda":
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                h1.copy_(d1, non_blocking=True)
+            with torch.cuda.stream(s2):
+                d2.copy_(h2, non_blocking=True)
+            s1.synchronize()
+            s2.synchronize()
+
+        ceil_both = _best_gbps(2 * nbytes, both, dev)
+    else:
+        ceil_both = None
+    dbuf = d1 = d2 = None  # noqa: F841 - free device memory before the cache is built
+    hb.close()
+
+    caches = lay.cache(2 * n, dev)
+    ids = {"contiguous": list(range(n)), "random": torch.randperm(2 * n).tolist()[:n]}
+    results: dict[str, float] = {}
+    with Offloader(caches, host_blocks=2 * n) as off:
+        for order, blocks in ids.items():
+            st, ld = [], []
+            for _ in range(3):
+                off.discard(range(n))
+                st.append(off.store({i: blocks[i] for i in range(n)}).result().gbps)
+                ld.append(off.load({i: blocks[i] for i in range(n)}).result().gbps)
+            results[f"store_{order}"], results[f"load_{order}"] = max(st), max(ld)
+        # both directions at once: store blocks [n, 2n) while loading keys 0..n-1 into blocks [0, n)
+        best = 0.0
+        for _ in range(3):
+            off.discard(range(n, 2 * n))
+            _sync(dev)
+            t0 = time.perf_counter()
+            a = off.store({i: i for i in range(n, 2 * n)})
+            b = off.load({i: i for i in range(n)})
+            a.result()
+            b.result()
+            best = max(best, 2 * nbytes / (time.perf_counter() - t0) / 1e9)
+        results["both"] = best
+    bres: dict[str, float] = {}
+    if base is not None:
+        hbase = base.HostBaseline(caches, 2 * n)
+        try:
+            for order, blocks in ids.items():
+                bres[f"store_{order}"] = _best_gbps(nbytes, lambda: hbase.wait(hbase.store([(blocks[i], i) for i in range(n)])), dev)
+                bres[f"load_{order}"] = _best_gbps(nbytes, lambda: hbase.wait(hbase.load([(i, blocks[i]) for i in range(n)])), dev)
+
+            def both_base() -> None:
+                j1 = hbase.store([(i, i) for i in range(n, 2 * n)])
+                j2 = hbase.load([(i, i) for i in range(n)])
+                hbase.wait(j1)
+                hbase.wait(j2)
+
+            bres["both"] = _best_gbps(2 * nbytes, both_base, dev)
+        finally:
+            hbase.close()
+    for order in ("contiguous", "random"):
+        rep.row(f"host store, {order} ids", "GB/s", results[f"store_{order}"], ceil_d2h, bres.get(f"store_{order}"))
+        rep.row(f"host load, {order} ids", "GB/s", results[f"load_{order}"], ceil_h2d, bres.get(f"load_{order}"))
+    rep.row("host store + load at once", "GB/s", results["both"], ceil_both, bres.get("both"))
+
+
+class RawDirectIo:
+    """The disk ceiling: ``threads`` threads doing O_DIRECT pwritev / preadv of ``nbytes`` in 8 MiB calls."""
+
+    def __init__(self, path: str, nbytes: int, threads: int, job_bytes: int = 8 << 20) -> None:
+        import mmap
+
+        self.path, self.nbytes, self.threads = path, nbytes, threads
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+        os.posix_fallocate(self.fd, 0, nbytes)
+        self.bufs = [mmap.mmap(-1, job_bytes) for _ in range(threads)]
+        for b in self.bufs:
+            b.write(os.urandom(job_bytes))
+        self.offsets = list(range(0, nbytes - job_bytes + 1, job_bytes)) or [0]
+
+    def _run(self, op: Any) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def worker(i: int) -> None:
+            for off in self.offsets[i :: self.threads]:
+                op(self.fd, [self.bufs[i]], off)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(worker, range(self.threads)))
+        return len(self.offsets) * len(self.bufs[0]) / (time.perf_counter() - t0) / 1e9
+
+    def write(self) -> float:
+        """GB/s of one pass of writes."""
+        return self._run(os.pwritev)
+
+    def read(self) -> float:
+        """GB/s of one pass of reads."""
+        return self._run(os.preadv)
+
+    def close(self) -> None:
+        for b in self.bufs:
+            b.close()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def disk_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any, disk_dir: str | None,
+                   io_threads: int, rounds: int = 3) -> None:
+    """Disk store/load with no host tier, and spill, beside raw O_DIRECT and the baseline.
+
+    Rounds alternate ceiling and kvoffload so that both see the same disk weather.
+    """
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"disk tier: {nbytes / 2**30:.2f} GiB per transfer, {io_threads} IO threads, ceiling = raw O_DIRECT")
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-", dir=disk_dir)
+    raw = None
+    try:
+        raw = RawDirectIo(os.path.join(tmp, "raw"), nbytes, io_threads)
+        caches = lay.cache(n, dev)
+        perm = torch.randperm(n).tolist()
+        cw, cr, st, ld, sp = [], [], [], [], []
+        with Offloader(caches, host_blocks=0, disk_path=os.path.join(tmp, "kv"), disk_blocks=n, io_threads=io_threads) as off:
+            for _ in range(rounds):
+                off.discard(range(n))
+                cw.append(raw.write())
+                st.append(off.store({i: perm[i] for i in range(n)}).result().gbps)
+                cr.append(raw.read())
+                ld.append(off.load({i: perm[i] for i in range(n)}).result().gbps)
+        # spill: a host tier of a quarter of the data, full; every new store spills as much to disk
+        quarter = max(1, n // 4)
+        with Offloader(caches, host_blocks=quarter, disk_path=os.path.join(tmp, "kv"), disk_blocks=n, io_threads=io_threads) as off:
+            off.store({("warm", i): perm[i] for i in range(quarter)}).result()
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                moved = 0
+                for j in range(0, n - quarter, quarter):
+                    res = off.store({(r, i): perm[i] for i in range(j, min(j + quarter, n - quarter))}).result()
+                    moved += res.nbytes
+                sp.append(moved / (time.perf_counter() - t0) / 1e9)
+                off.discard([(r, i) for i in range(n)])
+            spilled = off.stats().spilled
+        b: dict[str, float] = {}
+        if base is not None:
+            dbase = base.DiskBaseline(caches, os.path.join(tmp, "base"), n)
+            try:
+                b["store"] = _best_gbps(nbytes, lambda: dbase.wait(dbase.store([(perm[i], i) for i in range(n)])), dev, reps=1)
+                b["load"] = _best_gbps(nbytes, lambda: dbase.wait(dbase.load([(i, perm[i]) for i in range(n)])), dev, reps=1)
+            finally:
+                dbase.close()
+        rep.row("disk store (no host tier)", "GB/s", max(st), max(cw), b.get("store"))
+        rep.row("disk load (no host tier)", "GB/s", max(ld), max(cr), b.get("load"))
+        rep.row("store while spilling host -> disk", "GB/s", max(sp), max(cw), None, note=f"{spilled} entries spilled")
+    finally:
+        if raw is not None:
+            raw.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000) -> None:
+    """Many one-block transfers in flight at once: transfers per second and CPU per transfer."""
+    rep.begin(f"{count} one-block stores in flight (64 KiB blocks)")
+    caches = {"kv": torch.randint(0, 255, (4096, 64 << 10), dtype=torch.uint8, device=dev)}
+
+    async def run() -> tuple[float, float]:
+        async with Offloader(caches, host_blocks=count + 8) as off:
+            await asyncio.gather(*(off.store({("w", i): i}) for i in range(8)))
+            c0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(off.store({i: i % 4096}) for i in range(count)))
+            return count / (time.perf_counter() - t0), (time.process_time() - c0) / count
+
+    rate, cpu = asyncio.run(run())
+    brate = None
+    if base is not None:
+        hb = base.HostBaseline(caches, count + 8)
+        try:
+            t0 = time.perf_counter()
+            jobs = [hb.store([(i % 4096, i)]) for i in range(count)]
+            for j in jobs:
+                hb.wait(j)
+            brate = count / (time.perf_counter() - t0)
+        finally:
+            hb.close()
+    rep.row("one-block transfers", "per s", rate, None, brate, note=f"{cpu * 1e6:.0f} us CPU per transfer")
+    rep.extra["small_cpu_us_per_transfer"] = cpu * 1e6
+
+
+def wake_floor(n: int = 2000) -> list[float]:
+    """Latencies of one ``call_soon_threadsafe`` hop from a plain thread into an idle loop."""
     lt = LoopThread("kvoffload-bench-floor")
     lat: list[float] = []
     got = threading.Event()
@@ -50,11 +360,11 @@ def wake_floor(n: int = 2000) -> dict[str, float]:
         lt.loop.call_soon_threadsafe(cb, time.perf_counter())
         got.wait()
     lt.stop(5)
-    return _summary(lat)
+    return lat
 
 
-def bridge_latency(kind: str, n: int = 2000) -> dict[str, float]:
-    """Enqueue-to-resume latency of a completion bridge on an idle stream, and CPU per op."""
+def bridge_latency(kind: str, n: int = 2000) -> tuple[list[float], float]:
+    """From an event's enqueue on an idle stream to the awaiting coroutine resuming; CPU per op."""
     from .cuda.events import make_bridge
 
     lt = LoopThread("kvoffload-bench-bridge", on_thread_start=lambda: torch.cuda.set_device(0))
@@ -62,46 +372,44 @@ def bridge_latency(kind: str, n: int = 2000) -> dict[str, float]:
     stream = torch.cuda.Stream()
 
     async def run() -> tuple[list[float], float]:
-        lat = []
-        cpu = 0.0
+        lat, cpu = [], 0.0
         for _ in range(n):
             await asyncio.sleep(0.0002)
             ev = torch.cuda.Event(blocking=True)
-            c0 = time.process_time()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             ev.record(stream)
             await bridge.watch(ev)
             lat.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
         return lat, cpu / n
 
-    lat, cpu = asyncio.run_coroutine_threadsafe(run(), lt.loop).result()
+    out = asyncio.run_coroutine_threadsafe(run(), lt.loop).result()
     bridge.close()
     lt.stop(5)
-    return {**_summary(lat), "cpu_us_per_op": cpu * 1e6}
+    return out
 
 
 def idle_cpu_while_pending(kind: str, seconds: float = 0.5) -> float:
-    """CPU seconds per wall second spent while one store waits ``seconds`` behind a GPU kernel."""
+    """CPU seconds per wall second while one store waits about ``seconds`` behind a GPU kernel."""
     caches = {"k": torch.zeros((8, 1024), device="cuda")}
-    with Offloader(caches, host_blocks=8, completion=kind) as off:
+    with Offloader(caches, host_blocks=8, completion=kind) as off:  # type: ignore[arg-type]
         off.store({"warm": 0}).result()
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
-            torch.cuda._sleep(int(seconds * 1.5e9))  # ~1.5 GHz clock: roughly `seconds`
+            torch.cuda._sleep(int(seconds * 1.5e9))
             c0, t0 = time.process_time(), time.perf_counter()
             t = off.store({"k": 1})
         t.result()
         return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
-def transfer_latency(kind: str, n: int = 500) -> dict[str, float]:
+def one_block_latency(kind: str, dev: torch.device, n: int = 500) -> list[float]:
     """Call-to-resume latency of a one-block store awaited from the caller's loop."""
-    caches = {"k": torch.zeros((64, 16384), dtype=torch.uint8, device="cuda")}
+    caches = {"k": torch.zeros((64, 64 << 10), dtype=torch.uint8, device=dev)}
 
     async def run() -> list[float]:
         lat = []
-        async with Offloader(caches, host_blocks=n + 1, completion=kind) as off:
+        async with Offloader(caches, host_blocks=n + 1, completion=kind) as off:  # type: ignore[arg-type]
             for i in range(n):
                 await asyncio.sleep(0.0002)
                 t0 = time.perf_counter()
@@ -109,176 +417,113 @@ def transfer_latency(kind: str, n: int = 500) -> dict[str, float]:
                 lat.append(time.perf_counter() - t0)
         return lat
 
-    return _summary(asyncio.run(run()))
+    return asyncio.run(run())
 
 
-def host_throughput(gib: float, layers: int) -> dict[str, Any]:
-    """GB/s of the pinned-copy ceiling and of kvoffload's host store/load, contiguous and random."""
-    from .demo import make_cache
-    from .hostmem import HostBuffer
-
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    block_bytes = layers * 2 * 16 * 8 * 128 * 2
-    nblocks = max(2, int(gib * 2**30) // block_bytes)
-    nbytes = nblocks * block_bytes
-    out: dict[str, Any] = {"bytes": nbytes, "device": str(dev)}
-
-    def timed(fn: Any) -> float:
-        best = float("inf")
-        for _ in range(3):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
-
-    hb = HostBuffer(nbytes, pin=cuda)
-    dbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    out["ceiling_d2h"] = timed(lambda: hb.tensor.copy_(dbuf, non_blocking=True))
-    out["ceiling_h2d"] = timed(lambda: dbuf.copy_(hb.tensor, non_blocking=True))
-    dbuf = None  # noqa: F841 - free the GPU buffer before the cache is built
-    hb.close()
-    caches = make_cache(nblocks, layers, dev)
-    perm = torch.randperm(nblocks).tolist()
-    with Offloader(caches, host_blocks=nblocks) as off:
-        for order, ids in (("contiguous", list(range(nblocks))), ("random", perm)):
-            st, ld = [], []
-            for rep in range(3):
-                off.discard(range(nblocks))
-                st.append(off.store({i: ids[i] for i in range(nblocks)}).result().gbps)
-                ld.append(off.load({i: ids[i] for i in range(nblocks)}).result().gbps)
-            out[f"store_{order}"] = max(st)
-            out[f"load_{order}"] = max(ld)
-    for k in list(out):
-        if k.startswith("store_"):
-            out[f"{k}_vs_ceiling"] = out[k] / out["ceiling_d2h"]
-        elif k.startswith("load_"):
-            out[f"{k}_vs_ceiling"] = out[k] / out["ceiling_h2d"]
-    return out
+def latency_scenarios(rep: Report, dev: torch.device) -> None:
+    """Completion latency beside the bare wake floor, and CPU use while transfers wait."""
+    rep.begin("completion latency vs the cross-thread wake floor")
+    floor = _lat(wake_floor())
+    rep.extra["wake_floor"] = floor
+    if dev.type != "cuda":
+        lat = _lat(one_block_latency("poll", dev))
+        rep.extra["one_block_store_cpu"] = lat
+        rep.row("one-block store, call to resume p50", "us", lat["p50_us"], floor["p50_us"], None, note="CPU tensors")
+        return
+    for kind in ("poll", "thread"):
+        lat, cpu = bridge_latency(kind)
+        b = _lat(lat)
+        b["cpu_us_per_op"] = cpu * 1e6
+        b["idle_cpu_fraction"] = idle_cpu_while_pending(kind)
+        rep.extra[f"bridge_{kind}"] = b
+        e2e = _lat(one_block_latency(kind, dev))
+        rep.extra[f"one_block_store_{kind}"] = e2e
+        rep.row(f"completion ({kind}) p50 vs floor p50", "us", b["p50_us"], floor["p50_us"], None,
+                note=f"p99 {b['p99_us']:.0f} us, {b['cpu_us_per_op']:.0f} us CPU/op, idle CPU {b['idle_cpu_fraction'] * 100:.1f}%")
+        rep.row(f"one-block store ({kind}) call to resume p50", "us", e2e["p50_us"], None, None, note=f"p99 {e2e['p99_us']:.0f} us")
 
 
-class RawDirectIo:
-    """The disk ceiling: ``threads`` threads doing O_DIRECT pwritev / preadv of ``nbytes`` in 8 MiB calls."""
-
-    def __init__(self, path: str, nbytes: int, threads: int, job_bytes: int = 8 << 20) -> None:
-        import mmap
-        import os
-
-        self.path, self.nbytes, self.threads = path, nbytes, threads
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
-        os.posix_fallocate(self.fd, 0, nbytes)
-        self.bufs = [mmap.mmap(-1, job_bytes) for _ in range(threads)]
-        for b in self.bufs:
-            b.write(os.urandom(job_bytes))
-        self.offsets = list(range(0, nbytes, job_bytes))
-
-    def _run(self, op: Any) -> float:
-        from concurrent.futures import ThreadPoolExecutor
-
-        def worker(i: int) -> None:
-            for off in self.offsets[i :: self.threads]:
-                op(self.fd, [self.bufs[i]], off)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(self.threads) as pool:
-            list(pool.map(worker, range(self.threads)))
-        return self.nbytes / (time.perf_counter() - t0) / 1e9
-
-    def write(self) -> float:
-        """GB/s of one pass of writes."""
-        import os
-
-        return self._run(os.pwritev)
-
-    def read(self) -> float:
-        """GB/s of one pass of reads."""
-        import os
-
-        return self._run(os.preadv)
-
-    def close(self) -> None:
-        import os
-
-        for b in self.bufs:
-            b.close()
-        os.close(self.fd)
-        os.unlink(self.path)
+# ---------------------------------------------------------------------------------------------
+# output
 
 
-def disk_throughput(gib: float, layers: int, disk_dir: str | None, io_threads: int, rounds: int = 3) -> dict[str, Any]:
-    """Disk store/load with no host tier beside raw multi-threaded O_DIRECT on the same file system.
+def plot(report: Report, path: str) -> None:
+    """Bar chart of GB/s per scenario and system, and the latency distribution."""
+    import matplotlib
 
-    Rounds alternate ceiling and kvoffload so that both see the same disk
-    weather; each figure is the best of its rounds.
-    """
-    import os
-    import shutil
-    import tempfile
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    from .demo import make_cache
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    block_bytes = layers * 2 * 16 * 8 * 128 * 2
-    nblocks = max(2, int(gib * 2**30) // block_bytes)
-    nbytes = nblocks * block_bytes
-    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-", dir=disk_dir)
-    raw = None
-    try:
-        raw = RawDirectIo(os.path.join(tmp, "raw"), nbytes, io_threads)
-        caches = make_cache(nblocks, layers, dev)
-        perm = torch.randperm(nblocks).tolist()
-        cw, cr, st, ld = [], [], [], []
-        with Offloader(caches, host_blocks=0, disk_path=os.path.join(tmp, "kv"), disk_blocks=nblocks, io_threads=io_threads) as off:
-            for _ in range(rounds):
-                off.discard(range(nblocks))
-                cw.append(raw.write())
-                st.append(off.store({i: perm[i] for i in range(nblocks)}).result().gbps)
-                cr.append(raw.read())
-                ld.append(off.load({i: perm[i] for i in range(nblocks)}).result().gbps)
-        out: dict[str, Any] = {"bytes": nbytes, "io_threads": io_threads, "rounds": rounds,
-                               "ceiling_write": max(cw), "ceiling_read": max(cr), "store": max(st), "load": max(ld)}
-        out["store_vs_ceiling"] = out["store"] / out["ceiling_write"]
-        out["load_vs_ceiling"] = out["load"] / out["ceiling_read"]
-        return out
-    finally:
-        if raw is not None:
-            raw.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    gb = [r for r in report.rows if r["unit"] == "GB/s"]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [3, 1]})
+    ax = axes[0]
+    width = 0.27
+    xs = range(len(gb))
+    for k, (col, label) in enumerate((("ceiling", "ceiling"), ("baseline", "seed baseline"), ("kvoffload", "kvoffload"))):
+        ax.bar([x + (k - 1) * width for x in xs], [r[col] or 0 for r in gb], width, label=label)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["scenario"] for r in gb], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.legend()
+    ax.set_title("throughput by scenario")
+    ax = axes[1]
+    lat = {k: v for k, v in report.extra.items() if isinstance(v, dict) and "p50_us" in v}
+    ax.bar(range(len(lat)), [v["p50_us"] for v in lat.values()], label="p50")
+    ax.scatter(range(len(lat)), [v["p99_us"] for v in lat.values()], color="k", marker="_", s=200, label="p99")
+    ax.set_xticks(range(len(lat)))
+    ax.set_xticklabels(list(lat), rotation=30, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("microseconds")
+    ax.legend()
+    ax.set_title("latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; prints a table, optionally writes JSON."""
-    p = argparse.ArgumentParser(prog="kvoffload bench")
-    p.add_argument("--gib", type=float, default=None, help="bytes per throughput transfer (default 2 GiB on GPU, 0.25 on CPU)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    """Run the benchmark: progress while it runs, a table at the end, optional JSON and PNG."""
+    p = argparse.ArgumentParser(prog="kvoffload bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=None, help="bytes per host transfer (default 2 GiB on GPU, 0.25 on CPU)")
     p.add_argument("--disk-gib", type=float, default=None, help="bytes per disk transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--layout", default="32x2x16x8x128:bf16", help="LAYERSxBLOCK_SHAPE:dtype (default: 64 KiB per layer per block)")
     p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
     p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
+    p.add_argument("--skip", default="", help="comma-separated: host,disk,small,latency")
+    p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib")
     cuda = torch.cuda.is_available()
-    res: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-                           "gpu": torch.cuda.get_device_name() if cuda else None}
-    print("[1/4] wake floor ...", flush=True)
-    res["wake_floor"] = wake_floor()
-    if cuda:
-        print("[2/4] completion bridges ...", flush=True)
-        for kind in ("thread", "poll"):
-            res[f"bridge_{kind}"] = bridge_latency(kind)
-            res[f"store1_{kind}"] = transfer_latency(kind)
-            res[f"idle_cpu_{kind}"] = idle_cpu_while_pending(kind)
-    print("[3/4] host throughput ...", flush=True)
-    res["host"] = host_throughput(args.gib or (2.0 if cuda else 0.25), args.layers)
-    print("[4/4] disk throughput ...", flush=True)
-    res["disk"] = disk_throughput(args.disk_gib or (2.0 if cuda else 0.25), args.layers, args.disk_dir, args.io_threads)
-    print(json.dumps(res, indent=1))
+    dev = torch.device("cuda" if cuda else "cpu")
+    lay = Layout(args.layout)
+    base = load_baseline(args.baseline)
+    skip = set(filter(None, args.skip.split(",")))
+    todo = [s for s in ("host", "disk", "small", "latency") if s not in skip]
+    rep = Report(len(todo))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
+            "cpus": os.cpu_count(), "layout": lay.spec, "block_bytes": lay.block_bytes, "baseline": base is not None}
+    print("kvoffload bench:", json.dumps(meta), flush=True)
+    if base is None:
+        print("  (benchmarks/seed_baseline.py not found: no baseline column)", flush=True)
+    gib = args.gib or (2.0 if cuda else 0.25)
+    if "host" in todo:
+        host_scenarios(rep, lay, gib, dev, base)
+    if "disk" in todo:
+        disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
+    if "small" in todo:
+        small_transfers(rep, dev, base, args.small)
+    if "latency" in todo:
+        latency_scenarios(rep, dev)
+    print("\n" + rep.table(), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"meta": meta, "rows": rep.rows, "extra": rep.extra}, f, indent=1)
+    if args.plot:
+        plot(rep, args.plot)
     return 0
 
 
