@@ -92,11 +92,13 @@ async def test_cancel_awaiting_task_mid_store(gate):
         assert transfer.cancelled() and transfer.done()
         s = off.stats()
         assert s.pending == 0 and s.in_flight == 0 and s.cancelled == 1
-        # the three chunks that landed, plus the one being copied when the cancel came; no more
-        assert off.lookup(list(blocks)) == 4
-        assert s.host_free == 16 - 4
+        # the three chunks that landed are stored; the one being copied when the cancel came
+        # may or may not be published (it is whole either way); none after it
+        visible_n = off.lookup(list(blocks))
+        assert visible_n in (3, 4)
+        assert s.host_free == 16 - visible_n
         visible = await check_every_visible_key(off, caches, orig, blocks)
-        assert len(visible) == 4
+        assert len(visible) == visible_n
         # the offloader keeps working
         await off.store({("t", i): i for i in range(4)})
         assert off.lookup([("t", i) for i in range(4)]) == 4

@@ -163,6 +163,10 @@ class IoBatch:
     def __init__(self, pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
         self._futures = [pool.submit(c) for c in calls]
 
+    def done(self) -> bool:
+        """True when every call has ended."""
+        return all(f.done() for f in self._futures)
+
     async def wait(self) -> None:
         """Return when every call succeeded.
 

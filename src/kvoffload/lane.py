@@ -1,24 +1,46 @@
 """A *lane*: one direction's worker loop with its block mover and completion bridge.
 
-The offloader has a store lane and a load lane. A tier runs its copy pipeline
-on a lane with :meth:`Lane.pipeline`, which keeps a few chunks queued ahead,
-reports each chunk as it completes, and on cancellation or error waits for
-every copy already queued before the exception propagates.
+The offloader has a store lane and a load lane. Tiers copy blocks through
+:meth:`Lane.copy`, which *coalesces*: every copy requested during one turn of
+the loop is submitted together in the next, as one mover call per host buffer
+(up to ``chunk_blocks`` blocks), sharing one completion event. A thousand
+one-block transfers in flight thus cost a few dozen driver calls and events,
+not a thousand.
+
+:meth:`Lane.pipeline` keeps a few chunks of one transfer in flight, reports each
+chunk as it completes, and on cancellation or error waits for every copy
+already submitted before the exception propagates.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
 
 from .loops import LoopThread
 from .movers import BlockMover
 
-__all__ = ["Lane"]
+__all__ = ["Lane", "CopyRequest"]
 
 C = TypeVar("C")
+
+
+@dataclass(eq=False)
+class CopyRequest:
+    """Copy cache blocks ``block_ids`` to (``to_host``) or from rows ``rows`` of ``host``."""
+
+    to_host: bool
+    host: torch.Tensor
+    block_ids: Sequence[int]
+    rows: Sequence[int]
+    future: asyncio.Future[Any] = field(init=False)
+    submitted: bool = False
+    event: Any = None
 
 
 class Lane:
@@ -29,6 +51,68 @@ class Lane:
         self.mover = mover
         self.bridge = bridge
         self.depth = depth
+        self._pending: list[CopyRequest] = []
+        self._flush_scheduled = False
+
+    # -- coalesced submission ---------------------------------------------------------
+
+    async def copy(self, req: CopyRequest) -> Any:
+        """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
+
+        If cancelled, a request not yet submitted is withdrawn; one already
+        submitted is waited for before the ``CancelledError`` propagates.
+        """
+        loop = self.thread.loop
+        req.future = loop.create_future()
+        self._pending.append(req)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        try:
+            return await req.future
+        except BaseException:
+            if not req.submitted:
+                if req in self._pending:
+                    self._pending.remove(req)
+            else:
+                await self.settle(req.event)
+            raise
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        pending = [r for r in pending if not r.future.cancelled()]
+        limit = self.mover.chunk_blocks
+        i = 0
+        while i < len(pending):
+            first = pending[i]
+            batch = [first]
+            n = len(first.block_ids)
+            j = i + 1
+            while (j < len(pending) and pending[j].to_host == first.to_host and pending[j].host is first.host
+                   and n + len(pending[j].block_ids) <= limit):
+                n += len(pending[j].block_ids)
+                batch.append(pending[j])
+                j += 1
+            i = j
+            ids = [b for r in batch for b in r.block_ids] if len(batch) > 1 else first.block_ids
+            rows = [x for r in batch for x in r.rows] if len(batch) > 1 else first.rows
+            try:
+                if first.to_host:
+                    event = self.mover.to_host(ids, first.host, rows)
+                else:
+                    event = self.mover.to_device(first.host, rows, ids)
+            except BaseException as e:
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            for r in batch:
+                r.submitted, r.event = True, event
+                if not r.future.done():
+                    r.future.set_result(event)
+
+    # -- completion -------------------------------------------------------------------
 
     async def wait(self, event: Any) -> None:
         """Wait until ``event`` completed (None: already complete)."""
@@ -46,8 +130,8 @@ class Lane:
             except asyncio.CancelledError:
                 continue
 
-    async def pipeline(self, chunks: Iterable[C], submit: Callable[[C], Any], completed: Callable[[C], Any]) -> None:
-        """``submit(chunk)`` each chunk in order, keeping up to ``depth`` in flight; ``completed(chunk)`` as each lands.
+    async def pipeline(self, chunks: Iterable[C], request: Callable[[C], CopyRequest], completed: Callable[[C], Any]) -> None:
+        """Copy each chunk (``request(chunk)``) in order, up to ``depth`` in flight; ``completed(chunk)`` as each lands.
 
         On cancellation or error nothing more is submitted, every copy already
         submitted is waited for, and the exception propagates; chunks that
@@ -56,13 +140,9 @@ class Lane:
         inflight: deque[tuple[Any, C]] = deque()
         try:
             for chunk in chunks:
-                event = submit(chunk)
+                event = await self.copy(request(chunk))
                 inflight.append((event, chunk))
-                if event is None:  # copy done synchronously (CPU): a cancellation point between chunks
-                    completed(inflight.popleft()[1])
-                    await asyncio.sleep(0)
-                    continue
-                while len(inflight) >= self.depth:
+                while inflight and (inflight[0][0] is None or len(inflight) >= self.depth):
                     await self.wait(inflight[0][0])
                     completed(inflight.popleft()[1])
             while inflight:

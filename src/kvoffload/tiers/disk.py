@@ -16,6 +16,7 @@ The event loops never block on IO: they await futures of the IO pool.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections import deque
@@ -27,13 +28,80 @@ import numpy as np
 
 from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..hostmem import HostBuffer
-from ..lane import Lane
+from ..lane import CopyRequest, Lane
 from ..layout import BlockLayout
 from .host import chunked
 
-__all__ = ["DiskTier"]
+__all__ = ["DiskTier", "BouncePool"]
 
 log = logging.getLogger("kvoffload")
+
+
+class BouncePool:
+    """Halves of a bounce buffer, each ``chunk_blocks`` slots, shared by the transfers of one loop.
+
+    A half is taken for one chunk and given back when the IO or copy that
+    uses it has ended (``release_after``), independently of the transfer that
+    took it, so transfers never wait on each other in a cycle.
+    """
+
+    def __init__(self, buffer: HostBuffer, halves: int, chunk_blocks: int, slot_bytes: int) -> None:
+        self.rows = buffer.tensor.view(halves * chunk_blocks, slot_bytes)
+        self.array = self.rows.numpy()
+        self._chunk = chunk_blocks
+        self._free = list(range(halves))
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def rows_of(self, half: int, n: int) -> list[int]:
+        """Row numbers of the first ``n`` slots of ``half``."""
+        return list(range(half * self._chunk, half * self._chunk + n))
+
+    async def acquire(self) -> int:
+        """Take a free half, waiting for one if needed."""
+        while not self._free:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+                elif self._free:  # we were woken but leave: pass the wake-up on
+                    self._wake()
+                raise
+        return self._free.pop()
+
+    def try_acquire(self) -> int | None:
+        """Take a free half if there is one, without waiting."""
+        return self._free.pop() if self._free else None
+
+    def release(self, half: int) -> None:
+        """Give ``half`` back now."""
+        self._free.append(half)
+        self._wake()
+
+    def release_after(self, done: Any, half: int) -> None:
+        """Give ``half`` back once the awaitable ``done`` has ended (however it ends)."""
+
+        async def later() -> None:
+            try:
+                await done
+            except BaseException:
+                pass
+            finally:
+                self.release(half)
+
+        task = asyncio.ensure_future(later())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
 
 
 class DiskTier:
@@ -56,6 +124,8 @@ class DiskTier:
         self.chunk_blocks = chunk_blocks
         self.job_bytes = job_bytes
         self._bounce: list[HostBuffer] = []
+        self._load_pool: BouncePool
+        self._store_pool: BouncePool | None = None
         self.file = DiskFile(path, slots * layout.slot_bytes, use_page_cache=use_page_cache)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-io")
         try:
@@ -65,8 +135,9 @@ class DiskTier:
         except BaseException:
             self.close()
             raise
-        self._load_bounce = self._bounce[0]
-        self._store_bounce = self._bounce[1] if store_bounce else None
+        self._load_pool = BouncePool(self._bounce[0], 2, chunk_blocks, layout.slot_bytes)
+        if store_bounce:
+            self._store_pool = BouncePool(self._bounce[1], 2, chunk_blocks, layout.slot_bytes)
 
     # -- raw IO between host rows and disk slots ------------------------------------
 
@@ -83,62 +154,86 @@ class DiskTier:
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
     async def store(self, lane: Lane, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
-        """Copy cache blocks to disk slots (``(block id, slot)``); ``landed(n)`` after each chunk is on disk."""
-        assert self._store_bounce is not None, "disk-only stores need the store bounce buffer"
-        bounce = self._store_bounce.tensor.view(-1, self.layout.slot_bytes)
-        host = bounce.numpy()
-        c = self.chunk_blocks
+        """Copy cache blocks to disk slots (``(block id, slot)``); ``landed(n)`` after each chunk is on disk.
+
+        Chunk N is copied into a free bounce half while the IO threads write
+        chunk N-1 from another; a half is freed when its write has ended.
+        """
+        pool = self._store_pool
+        assert pool is not None, "disk-only stores need the store bounce buffer"
         writes: deque[tuple[IoBatch, int]] = deque()
+        half: int | None = None
         event: Any = None
         try:
-            for i, chunk in enumerate(chunked(pairs, c)):
-                if len(writes) == 2:  # this half's previous write must be done
+            for chunk in chunked(pairs, self.chunk_blocks):
+                while writes and writes[0][0].done():  # report what landed meanwhile
                     await writes[0][0].wait()
                     landed(writes.popleft()[1])
-                rows = list(range((i % 2) * c, (i % 2) * c + len(chunk)))
-                event = lane.mover.to_host([b for b, _ in chunk], bounce, rows)
+                half = await pool.acquire()
+                rows = pool.rows_of(half, len(chunk))
+                event = await lane.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
                 await lane.wait(event)
                 event = None
-                writes.append((self.write_rows(host, rows, [s for _, s in chunk]), len(chunk)))
+                batch = self.write_rows(pool.array, rows, [s for _, s in chunk])
+                pool.release_after(batch.wait(), half)
+                half = None
+                writes.append((batch, len(chunk)))
             while writes:
                 await writes[0][0].wait()
                 landed(writes.popleft()[1])
         except BaseException:
             await lane.settle(event)
+            if half is not None:
+                pool.release(half)
             for w, _ in writes:
                 await w.settle()
             raise
 
     async def load(self, lane: Lane, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy disk slots to cache blocks (``(slot, block id)``), reading ahead one chunk."""
-        bounce = self._load_bounce.tensor.view(-1, self.layout.slot_bytes)
-        host = bounce.numpy()
-        c = self.chunk_blocks
-        chunks = chunked(pairs, c)
-        rows_of = [list(range((i % 2) * c, (i % 2) * c + len(ch))) for i, ch in enumerate(chunks)]
+        """Copy disk slots to cache blocks (``(slot, block id)``), reading one chunk ahead.
 
-        def read(i: int) -> IoBatch:
-            return self.read_rows(host, rows_of[i], [s for s, _ in chunks[i]])
+        A bounce half is freed when the copy out of it has completed. The read
+        of the next chunk starts before this chunk's copy when a half is free;
+        otherwise after it, once this transfer holds no half: a transfer never
+        waits for a half while holding one, so concurrent loads cannot deadlock.
+        """
+        pool = self._load_pool
+        chunks = chunked(pairs, self.chunk_blocks)
+        reading: tuple[IoBatch, int] | None = None  # the read in flight and its half
+        last: Any = None  # completion event of the last copy out of the bounce buffer
 
-        copies: deque[Any] = deque()  # completion events of copies out of the bounce buffer
-        reading: IoBatch | None = read(0) if chunks else None
+        def start_read(i: int, half: int) -> tuple[IoBatch, int]:
+            return self.read_rows(pool.array, pool.rows_of(half, len(chunks[i])), [s for s, _ in chunks[i]]), half
+
         try:
+            if chunks:
+                reading = start_read(0, await pool.acquire())
             for i, chunk in enumerate(chunks):
                 assert reading is not None
-                await reading.wait()
-                reading = None
-                if i + 1 < len(chunks):
-                    if copies:  # the next read's half was last copied out by chunk i-1
-                        await lane.wait(copies.popleft())
-                    reading = read(i + 1)
-                copies.append(lane.mover.to_device(bounce, rows_of[i], [b for _, b in chunk]))
-            while copies:
-                await lane.wait(copies.popleft())
+                batch, half = reading
+                try:
+                    await batch.wait()
+                finally:
+                    reading = None
+                    if not batch.done():  # cancelled before the read ended: wait for it
+                        await batch.settle()
+                more = i + 1 < len(chunks)
+                if more:
+                    free = pool.try_acquire()
+                    if free is not None:
+                        reading = start_read(i + 1, free)
+                try:
+                    last = await lane.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
+                finally:
+                    pool.release_after(lane.settle(last), half)
+                if more and reading is None:
+                    reading = start_read(i + 1, await pool.acquire())
+            await lane.wait(last)
         except BaseException:
             if reading is not None:
-                await reading.settle()
-            if copies:
-                await lane.settle(copies[-1])
+                await reading[0].settle()
+                pool.release(reading[1])
+            await lane.settle(last)
             raise
 
     def close(self, timeout: float = 30.0) -> bool:

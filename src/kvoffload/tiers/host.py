@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..hostmem import HostBuffer
-from ..lane import Lane
+from ..lane import CopyRequest, Lane
 from ..layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
@@ -41,7 +41,7 @@ class HostTier:
         """Copy cache blocks into slots (``(block id, slot)`` pairs); ``landed(n)`` after each chunk of n."""
         await lane.pipeline(
             chunked(pairs, lane.mover.chunk_blocks),
-            lambda chunk: lane.mover.to_host([b for b, _ in chunk], self.rows, [s for _, s in chunk]),
+            lambda chunk: CopyRequest(True, self.rows, [b for b, _ in chunk], [s for _, s in chunk]),
             lambda chunk: landed(len(chunk)),
         )
 
@@ -49,7 +49,7 @@ class HostTier:
         """Copy slots into cache blocks (``(slot, block id)`` pairs)."""
         await lane.pipeline(
             chunked(pairs, lane.mover.chunk_blocks),
-            lambda chunk: lane.mover.to_device(self.rows, [s for s, _ in chunk], [b for _, b in chunk]),
+            lambda chunk: CopyRequest(False, self.rows, [b for _, b in chunk], [s for s, _ in chunk]),
             lambda chunk: None,
         )
 
