@@ -236,3 +236,27 @@ async def test_gpu_disk_cancel_mid_transfer(tmp_path):
         torch.cuda.synchronize()
         for n in caches:
             assert same_bytes(caches[n][visible], orig[n][visible])
+
+
+def test_start_from_a_thread_that_never_touched_cuda():
+    """Pinning needs a CUDA context; a fresh thread has none until kvoffload makes one current."""
+    import threading
+
+    caches = gpu_caches(8)
+    box: dict = {}
+
+    def run():
+        try:
+            with kvoffload.Offloader(caches, host_blocks=8) as off:
+                off.store({"a": 1}).result(30)
+                off.load({"a": 2}).result(30)
+            box["ok"] = True
+        except BaseException as e:  # reported below
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert box.get("ok"), box.get("error")
+    torch.cuda.synchronize()
+    assert all(same_bytes(x[2], x[1]) for x in caches.values())

@@ -152,8 +152,7 @@ def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
     n = lay.blocks_for(gib)
     nbytes = n * lay.block_bytes
     rep.begin(f"host tier: {nbytes / 2**30:.2f} GiB per transfer, ceiling = one large copy")
-    pin = dev.type == "cuda"
-    hb = HostBuffer(2 * nbytes, pin=pin)
+    hb = HostBuffer(2 * nbytes, pin=dev if dev.type == "cuda" else None)
     dbuf = torch.empty(2 * nbytes, dtype=torch.uint8, device=dev)
     h1, h2 = hb.tensor[:nbytes], hb.tensor[nbytes:]
     d1, d2 = dbuf[:nbytes], dbuf[nbytes:]

@@ -21,19 +21,20 @@ _MMAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULAT
 
 
 class HostBuffer:
-    """``nbytes`` of page-aligned host memory as a ``uint8`` tensor; pinned if ``pin``."""
+    """``nbytes`` of page-aligned host memory as a ``uint8`` tensor; pinned for ``pin`` (a CUDA device) if given."""
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
+    def __init__(self, nbytes: int, *, pin: torch.device | None) -> None:
         self.nbytes = nbytes
         self.pinned = False
+        self._device_index = 0 if pin is None or pin.index is None else pin.index
         self._mmap: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=_MMAP_FLAGS)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         self.address = self.tensor.data_ptr() if nbytes else 0
-        if pin and nbytes:
+        if pin is not None and nbytes:
             from .cuda.driver import CudaError, host_register
 
             try:
-                host_register(self.address, nbytes)
+                host_register(self.address, nbytes, self._device_index)
             except CudaError as e:
                 self.close()
                 raise OffloadError(
@@ -49,7 +50,7 @@ class HostBuffer:
         if self.pinned:
             from .cuda.driver import host_unregister
 
-            host_unregister(self.address)
+            host_unregister(self.address, self._device_index)
             self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
         try:

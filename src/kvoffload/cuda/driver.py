@@ -9,14 +9,16 @@ descriptor costs more CPU than the copy is worth.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CudaError", "driver", "check", "host_register", "host_unregister", "BatchCopy"]
+__all__ = ["CudaError", "driver", "check", "context_for", "host_register", "host_unregister", "BatchCopy"]
 
 log = logging.getLogger("kvoffload")
 
@@ -57,17 +59,44 @@ def check(call: str, err: Any) -> None:
     raise CudaError(call, code, (name or b"?").decode(), (text or b"?").decode())
 
 
-def host_register(ptr: int, nbytes: int) -> None:
+@contextlib.contextmanager
+def context_for(device_index: int) -> Iterator[None]:
+    """Make sure a CUDA context is current: the calling thread's, else the device's primary one.
+
+    Driver calls such as ``cuMemHostRegister`` need a current context, which a
+    thread that has not run any CUDA work yet does not have.
+    """
+    cu = driver()
+    err, ctx = cu.cuCtxGetCurrent()
+    check("cuCtxGetCurrent", err)
+    if int(ctx):
+        yield
+        return
+    err, dev = cu.cuDeviceGet(device_index)
+    check("cuDeviceGet", err)
+    err, primary = cu.cuDevicePrimaryCtxRetain(dev)  # the context torch uses too; kept retained
+    check("cuDevicePrimaryCtxRetain", err)
+    (err,) = cu.cuCtxPushCurrent(primary)
+    check("cuCtxPushCurrent", err)
+    try:
+        yield
+    finally:
+        cu.cuCtxPopCurrent()
+
+
+def host_register(ptr: int, nbytes: int, device_index: int) -> None:
     """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts)."""
     cu = driver()
-    (err,) = cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+    with context_for(device_index):
+        (err,) = cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
     check("cuMemHostRegister", err)
 
 
-def host_unregister(ptr: int) -> None:
+def host_unregister(ptr: int, device_index: int) -> None:
     """Undo :func:`host_register`."""
     cu = driver()
-    (err,) = cu.cuMemHostUnregister(ptr)
+    with context_for(device_index):
+        (err,) = cu.cuMemHostUnregister(ptr)
     check("cuMemHostUnregister", err)
 
 

@@ -131,7 +131,7 @@ class DiskTier:
         try:
             # two halves of chunk_blocks slots each, per direction that needs one
             for _ in range(2 if store_bounce else 1):
-                self._bounce.append(HostBuffer(2 * chunk_blocks * layout.slot_bytes, pin=layout.is_cuda))
+                self._bounce.append(HostBuffer(2 * chunk_blocks * layout.slot_bytes, pin=layout.device if layout.is_cuda else None))
         except BaseException:
             self.close()
             raise

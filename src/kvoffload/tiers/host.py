@@ -29,7 +29,7 @@ class HostTier:
     def __init__(self, layout: BlockLayout, slots: int) -> None:
         self.layout = layout
         self.slots = slots
-        self.buffer = HostBuffer(slots * layout.slot_bytes, pin=layout.is_cuda)
+        self.buffer = HostBuffer(slots * layout.slot_bytes, pin=layout.device if layout.is_cuda else None)
         self.rows = self.buffer.tensor.view(slots, layout.slot_bytes)
 
     @property
