@@ -152,7 +152,9 @@ class Offloader:
 
     Keyword options: ``chunk_bytes`` (bytes per copy chunk, the unit of
     pipelining and of cancellation; a GPU cache gets two staging buffers of
-    this size per direction; default 64 MiB), ``completion`` (how CUDA
+    this size per direction, 512 MiB of GPU memory in all at the default
+    of 128 MiB; smaller chunks save GPU memory and cost throughput when
+    stores and loads run at once), ``completion`` (how CUDA
     completion reaches the worker loops: ``"poll"``, the default, or
     ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``).
@@ -165,13 +167,14 @@ class Offloader:
         disk_path: str | None = None,
         disk_blocks: int = 0,
         *,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int = 128 << 20,
         completion: Literal["thread", "poll"] = "poll",
         use_batch_copy: bool = True,
         io_threads: int = 4,
         use_page_cache: bool = False,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches)
+        self._cuda = self._layout.is_cuda
         self._caches = dict(kv_caches)
         _check_count("host_blocks", host_blocks, minimum=0)
         _check_count("disk_blocks", disk_blocks, minimum=0)
@@ -308,14 +311,14 @@ class Offloader:
     def _check_after(self, after: Any) -> None:
         if after is None:
             return
-        if not self._layout.is_cuda:
+        if not self._cuda:
             raise ValueError("after= is only meaningful for CUDA caches")
         if not isinstance(after, torch.cuda.Event):
             raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
 
     def _launch(self, lane: Lane, kind: Literal["store", "load"], run: Any, cleanup: Any, after: Any) -> Transfer:
         """Record the ordering event and start the worker task (called under the lock)."""
-        if self._layout.is_cuda and after is None:
+        if self._cuda and after is None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._layout.device))
         transfer = Transfer(kind)

@@ -59,7 +59,7 @@ class Transfer:
         self._state = _PENDING
         self._result: TransferResult | None = None
         self._exc: BaseException | None = None
-        self._finished = threading.Event()
+        self._finished: threading.Event | None = None  # made when a thread first blocks on the transfer
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._cancel_requested = False
         self._canceller: Callable[[], Any] | None = None
@@ -100,17 +100,26 @@ class Transfer:
         ``asyncio.CancelledError`` if it was cancelled, or the transfer's error.
         Do not call this on a running event loop: await the transfer instead.
         """
-        if not self._finished.wait(timeout):
+        if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
         return self._outcome()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Like :meth:`result` but returns the error (None on success)."""
-        if not self._finished.wait(timeout):
+        if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
         if self._state == _CANCELLED:
             raise asyncio.CancelledError()
         return self._exc
+
+    def _block(self, timeout: float | None) -> bool:
+        with self._lock:
+            if self._state != _PENDING:
+                return True
+            if self._finished is None:
+                self._finished = threading.Event()
+            finished = self._finished
+        return finished.wait(timeout)
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
         """Call ``fn(transfer)`` when the transfer ends.
@@ -195,7 +204,9 @@ class Transfer:
                 self._state, self._result = _DONE, result
             callbacks, self._callbacks = self._callbacks, []
             self._canceller = None
-        self._finished.set()
+            finished = self._finished
+        if finished is not None:
+            finished.set()
         for fn in callbacks:
             _call_quietly(fn, self)
 
