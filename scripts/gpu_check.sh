@@ -16,5 +16,6 @@ rc=0
 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" || rc=1
 [ -n "${TESTS_ONLY:-}" ] && exit $rc
 python3 -m kvoffload.cli demo --gib ${DEMO_GIB:-2} 2>&1 | tee "$OUT/demo.log" || rc=1
-python3 -m kvoffload.cli bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tail -60 || rc=1
+plot=""; python3 -c "import matplotlib" 2>/dev/null && plot="--plot $OUT/bench.png"
+python3 -m kvoffload.cli bench --json "$OUT/bench.json" $plot ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || rc=1
 exit $rc
