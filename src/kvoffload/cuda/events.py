@@ -20,7 +20,6 @@ Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -97,8 +96,6 @@ class ThreadBridge:
 class PollBridge:
     """The loop polls ``event.query()``: spin briefly, then tick every millisecond."""
 
-    yield_gil = False  # experiment: give other threads the GIL while spinning
-
     def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = 1e-3, tick_s: float = 1e-3) -> None:
         self._loop = loop
         self._spin_s = spin_s
@@ -124,8 +121,6 @@ class PollBridge:
                 if not self._pending:
                     break
                 spinning = time.perf_counter() - self._last_progress < self._spin_s
-                if spinning and self.yield_gil:
-                    os.sched_yield()
                 await asyncio.sleep(0 if spinning else self._tick_s)
         finally:
             self._poller = None
