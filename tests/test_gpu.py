@@ -260,3 +260,46 @@ def test_start_from_a_thread_that_never_touched_cuda():
     assert box.get("ok"), box.get("error")
     torch.cuda.synchronize()
     assert all(same_bytes(x[2], x[1]) for x in caches.values())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", ["copy", "short-write", "EIO-read"])
+async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypatch, fault):
+    import errno
+    import os
+
+    from kvoffload.cuda.driver import CudaError
+    from kvoffload.cuda.mover import CudaMover
+
+    caches = gpu_caches(64, seed=8)
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=32) as off:
+        await off.store({i: i for i in range(8)})
+        if fault == "copy":
+            def broken(self, *a):
+                raise CudaError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE", "injected")
+
+            monkeypatch.setattr(CudaMover, "to_host", broken)
+            failing = off.store({i: i for i in range(8, 12)})
+        elif fault == "short-write":
+            off.disk_io.pwritev = lambda fd, bufs, offset: os.pwritev(fd, bufs, offset) - 4096
+            failing = off.store({i: i for i in range(8, 12)})
+        else:
+            def eio(fd, bufs, offset):
+                raise OSError(errno.EIO, "Input/output error")
+
+            off.disk_io.preadv = eio
+            failing = off.load({i: 40 + i for i in range(8)})
+        with pytest.raises(kvoffload.TransferError):
+            await failing
+        monkeypatch.undo()
+        off.disk_io.pwritev, off.disk_io.preadv = os.pwritev, os.preadv
+        s = off.stats()
+        assert s.pending == 0 and s.pinned == 0 and off.lookup(range(12)) == 8
+        for t in caches.values():
+            t.zero_()
+        await off.load({i: i for i in range(8)})
+        await off.store({("after", 0): 0})  # the service goes on
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][:8], orig[n][:8])
