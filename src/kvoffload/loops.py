@@ -116,6 +116,12 @@ class LoopThread:
                 t.cancel()
             if tasks:
                 await asyncio.wait(tasks)
+            # Then the helpers transfers left behind (buffer releases, pollers): their work has ended.
+            others = asyncio.all_tasks() - {asyncio.current_task()}
+            for t in others:
+                t.cancel()
+            if others:
+                await asyncio.wait(others)
             # Let done callbacks (transfer completion, cleanup) run.
             await asyncio.sleep(0)
 
