@@ -157,7 +157,10 @@ class Offloader:
     stores and loads run at once), ``completion`` (how CUDA
     completion reaches the worker loops: ``"poll"``, the default, or
     ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
-    (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``).
+    (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
+    ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
+    disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` add the disk
+    tier: see the README's section on it.
     """
 
     def __init__(
