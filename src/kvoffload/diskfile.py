@@ -153,6 +153,18 @@ def io_jobs(host: np.ndarray, row_ids: Sequence[int], slots: Sequence[int], job_
     return jobs
 
 
+def _contained(call: Callable[[], None]) -> None:
+    """Run ``call``; a ``BaseException`` that is not an ``Exception`` (SystemExit, KeyboardInterrupt
+    raised inside the IO call) becomes a ``RuntimeError``, which fails the transfer instead of
+    escaping into the worker loop and stopping it."""
+    try:
+        call()
+    except Exception:
+        raise
+    except BaseException as e:
+        raise RuntimeError(f"disk IO call raised {e!r}") from e
+
+
 class IoBatch:
     """IO calls submitted to the pool at once; await :meth:`wait` for all of them.
 
@@ -161,7 +173,7 @@ class IoBatch:
     """
 
     def __init__(self, pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
-        self._futures = [pool.submit(c) for c in calls]
+        self._futures = [pool.submit(_contained, c) for c in calls]
 
     def done(self) -> bool:
         """True when every call has ended."""

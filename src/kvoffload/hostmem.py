@@ -44,7 +44,12 @@ class HostBuffer:
             self.pinned = True
 
     def close(self) -> None:
-        """Unpin and free the memory. The tensor must no longer be in use."""
+        """Unpin the memory and let it go.
+
+        The pages are unmapped when the last view of them is gone, not here:
+        a caller may still hold one (a numpy view in an exception's traceback,
+        say), and unmapping under it would turn a read into a crash.
+        """
         if self._mmap is None:
             return
         if self.pinned:
@@ -53,11 +58,7 @@ class HostBuffer:
             host_unregister(self.address, self._device_index)
             self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:  # a view is still alive somewhere; the GC frees it with the view
-            pass
-        self._mmap = None
+        self._mmap = None  # munmap happens when the last tensor or array over it is freed
 
     def __del__(self) -> None:
         try:

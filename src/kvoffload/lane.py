@@ -103,6 +103,10 @@ class Lane:
                 else:
                     event = self.mover.to_device(first.host, rows, ids)
             except BaseException as e:
+                if not isinstance(e, Exception):  # never let SystemExit & co. stop the worker loop
+                    err: BaseException = RuntimeError(f"copy raised {e!r}")
+                    err.__cause__ = e
+                    e = err
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
