@@ -211,12 +211,12 @@ class DiskTier:
             for i, chunk in enumerate(chunks):
                 assert reading is not None
                 batch, half = reading
+                reading = None
                 try:
-                    await batch.wait()
-                finally:
-                    reading = None
-                    if not batch.done():  # cancelled before the read ended: wait for it
-                        await batch.settle()
+                    await batch.wait()  # on error or cancellation it first waits for the read to stop
+                except BaseException:
+                    pool.release(half)
+                    raise
                 more = i + 1 < len(chunks)
                 if more:
                     free = pool.try_acquire()
