@@ -57,3 +57,29 @@ def make_offloader():
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte-for-byte equality (random bits include NaNs, which torch.equal calls unequal)."""
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# -- reliability figures -------------------------------------------------------------------
+# The reliability tests (test_model, test_faults, test_storm, test_shutdown) record how much
+# they did (operations, faults injected, transfers cancelled); pytest prints the lines at the end.
+
+RELIABILITY_FIGURES: list[str] = []
+
+
+def report_figure(line: str) -> None:
+    """Record one summary line; it is printed in the terminal summary (and now, under ``-s``)."""
+    RELIABILITY_FIGURES.append(line)
+    print(line)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if RELIABILITY_FIGURES:
+        terminalreporter.section("kvoffload reliability figures")
+        for line in RELIABILITY_FIGURES:
+            terminalreporter.write_line(line)
+
+
+def kvoffload_threads() -> list[str]:
+    """Names of live threads the library started."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvoffload")]
+

@@ -57,6 +57,9 @@ class Entry:
     """Running loads reading this entry's copy in each tier."""
     spill_slot: int | None = None
     """Disk slot being written while the entry is spilled out of host memory."""
+    orphan_host_slot: int | None = None
+    """The host slot this entry was spilled from, given up by a store that did not finish while
+    loads still read it; freed when the last of those loads lets go."""
     gone: bool = False
     """Removed from the index (discarded or dropped); slots are freed when the last user lets go."""
 
@@ -253,12 +256,17 @@ class BlockIndex:
         """
         with self._lock:
             still_owned = {s.host_slot for s in spills if not s.done}
+            still_read = {s.host_slot: s.entry for s in spills if s.done and s.entry.pins[HOST]}
             for e in entries:
                 if not e.gone and self._entries.get(e.key) is e:
                     del self._entries[e.key]
                 e.gone = True
-                if not (e.tier == HOST and e.slot in still_owned):
-                    self._pools[e.tier].give(e.slot)
+                if e.tier == HOST and e.slot in still_owned:
+                    continue
+                if e.tier == HOST and e.slot in still_read:  # a load still reads the old copy there
+                    still_read[e.slot].orphan_host_slot = e.slot
+                    continue
+                self._pools[e.tier].give(e.slot)
 
     # -- load side ------------------------------------------------------------------
 
@@ -287,11 +295,17 @@ class BlockIndex:
                 e.pins[tier] -= 1
                 if e.gone and e.pins[tier] == 0 and e.tier == tier and e.spill_slot is None:
                     self._pools[tier].give(slot)
+                if tier == HOST and e.pins[HOST] == 0 and e.orphan_host_slot is not None:
+                    self._pools[HOST].give(e.orphan_host_slot)
+                    e.orphan_host_slot = None
 
     # -- removal --------------------------------------------------------------------
 
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget keys (ready or pending); returns how many were present."""
+        keys = list(keys)
+        for key in keys:
+            hash(key)  # TypeError for an unhashable key before anything is forgotten
         n = 0
         with self._lock:
             for key in keys:

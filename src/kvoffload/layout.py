@@ -80,7 +80,9 @@ class BlockLayout:
                 raise ValueError(
                     f"kv_caches[{name!r}] is not contiguous (strides {t.stride()}): each block must be one contiguous run of bytes"
                 )
-            nbytes = t.stride(0) * t.element_size() if t.dim() > 1 else t.element_size()
+            nbytes = t.numel() // t.shape[0] * t.element_size()  # not stride(0): a size-1 dim may have any stride
+            if nbytes == 0:
+                raise ValueError(f"kv_caches[{name!r}] has blocks of zero bytes (shape {tuple(t.shape)})")
             pieces.append(TensorPiece(name, offset, nbytes))
             offset += nbytes
         assert num_blocks is not None and device is not None
@@ -109,8 +111,8 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) ->
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
     checked: dict[Hashable, int] = {}
     for key, block in blocks.items():
-        if isinstance(block, bool):
-            raise TypeError(f"block id for key {key!r} must be an integer, got bool")
+        if isinstance(block, bool) or getattr(block, "dtype", None) in (torch.bool, np.bool_):
+            raise TypeError(f"block id for key {key!r} must be an integer, got a bool")
         try:
             bid = operator.index(block)
         except TypeError:

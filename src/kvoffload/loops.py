@@ -135,6 +135,5 @@ class LoopThread:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
+        self.loop.close()  # no run_until_complete here: the caller's thread may be running a loop
         return True
