@@ -83,3 +83,19 @@ def kvoffload_threads() -> list[str]:
     """Names of live threads the library started."""
     return [t.name for t in threading.enumerate() if t.name.startswith("kvoffload")]
 
+
+
+async def check_every_visible_key(off, caches, orig, keys_to_blocks) -> list:
+    """Load every visible key into blocks 0..n-1 and compare with the block it was stored from.
+
+    ``orig`` is a copy of the cache taken before the stores; returns the visible keys.
+    """
+    visible = [k for k in keys_to_blocks if k in off]
+    for t in caches.values():
+        t.zero_()
+    if visible:
+        await off.load({k: i for i, k in enumerate(visible)})
+    for i, k in enumerate(visible):
+        for n in caches:
+            assert same_bytes(caches[n][i], orig[n][keys_to_blocks[k]]), (k, n)
+    return visible

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from conftest import check_every_visible_key, random_caches, same_bytes
 from kvoffload.movers import CpuMover
 
 
@@ -53,19 +53,6 @@ def one_block_chunks(caches) -> int:
 async def still_running(aw, seconds: float = 0.1) -> bool:
     done, _ = await asyncio.wait([aw], timeout=seconds)
     return not done
-
-
-async def check_every_visible_key(off, caches, orig, keys_to_blocks):
-    """Load every visible key into block 0..n and compare with its source block."""
-    visible = [k for k in keys_to_blocks if k in off]
-    for t in caches.values():
-        t.zero_()
-    if visible:
-        await off.load({k: i for i, k in enumerate(visible)})
-    for i, k in enumerate(visible):
-        for n in caches:
-            assert same_bytes(caches[n][i], orig[n][keys_to_blocks[k]]), (k, n)
-    return visible
 
 
 @pytest.mark.asyncio

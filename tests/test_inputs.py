@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +9,7 @@ from hypothesis import strategies as st
 
 import kvoffload
 from conftest import random_caches
+from test_bad_input import ListKeyed
 
 NUM_BLOCKS = 32
 CACHES = random_caches(NUM_BLOCKS, seed=51)
@@ -62,25 +61,6 @@ def test_duplicate_destinations_are_rejected(off, ids):
     with pytest.raises(ValueError, match="destination block"):
         off.load({("ok", i % 8): b for i, b in enumerate(ids)} | {("ok", 7 - j): ids[0] for j in range(1)})
     unchanged(off, before)
-
-
-class ListKeyed(Mapping):
-    """A mapping whose keys are lists (unhashable)."""
-
-    def __init__(self, items):
-        self._items = items
-
-    def __getitem__(self, key):
-        for k, v in self._items:
-            if k == key:
-                return v
-        raise KeyError(key)
-
-    def __iter__(self):
-        return (k for k, _ in self._items)
-
-    def __len__(self):
-        return len(self._items)
 
 
 def test_unhashable_keys_are_rejected(off):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from conftest import check_every_visible_key, random_caches
 
 
 def kv_threads() -> list[str]:
@@ -27,18 +27,6 @@ def open_fds() -> int:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-async def assert_visible_keys_correct(off, caches, orig, key_to_block) -> int:
-    visible = [k for k in key_to_block if k in off]
-    for t in caches.values():
-        t.zero_()
-    if visible:
-        await off.load({k: i for i, k in enumerate(visible)})
-    for i, k in enumerate(visible):
-        for n in caches:
-            assert same_bytes(caches[n][i], orig[n][key_to_block[k]]), (k, n)
-    return len(visible)
 
 
 @pytest.mark.asyncio
@@ -107,7 +95,7 @@ async def test_cancellation_storm_leaves_everything_free_and_correct(tmp_path):
         assert n_cancelled > 100, "the storm cancelled too little to mean anything"
         for n, t in caches.items():
             t.copy_(orig[n])
-        seen = await assert_visible_keys_correct(off, caches, orig, stored)
+        seen = len(await check_every_visible_key(off, caches, orig, stored))
         for n, t in caches.items():
             t.copy_(orig[n])
         await off.store({"after": 1})  # and it keeps working
