@@ -303,3 +303,15 @@ async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypat
         torch.cuda.synchronize()
         for n in caches:
             assert same_bytes(caches[n][:8], orig[n][:8])
+
+
+def test_pinned_memory_is_released_on_close(tmp_path):
+    from kvoffload.cuda.driver import driver
+
+    with kvoffload.Offloader(gpu_caches(8), host_blocks=8, disk_path=tmp_path / "kv", disk_blocks=8) as off:
+        buffers = [off._runtime.storage.host.buffer, *off._runtime.storage.disk._bounce]
+        addresses = [b.address for b in buffers]
+        for a in addresses:
+            assert int(driver().cuMemHostGetFlags(a)[0]) == 0  # page-locked while open
+    for a in addresses:
+        assert int(driver().cuMemHostGetFlags(a)[0]) != 0, "host memory still page-locked after close()"
