@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from conftest import check_every_visible_key, random_caches, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -146,14 +146,7 @@ async def test_cancel_mid_transfer_leaves_no_torn_entry():
             await t
         s = off.stats()
         assert s.pending == 0 and s.in_flight == 0
-        visible = [i for i in range(512) if i in off]
-        for t_ in caches.values():
-            t_.zero_()
-        if visible:
-            await off.load({k: k for k in visible})
-        torch.cuda.synchronize()
-        for n in caches:
-            assert same_bytes(caches[n][visible], orig[n][visible])
+        await check_every_visible_key(off, caches, orig, {i: i for i in range(512)})
         # the offloader keeps working
         await off.store({("again", i): i for i in range(8)})
         assert off.lookup([("again", i) for i in range(8)]) == 8
@@ -228,14 +221,7 @@ async def test_gpu_disk_cancel_mid_transfer(tmp_path):
             pass
         s = off.stats()
         assert s.pending == 0 and s.in_flight == 0 and s.disk_free + s.disk_ready == 256
-        visible = [i for i in range(256) if i in off]
-        for x in caches.values():
-            x.zero_()
-        if visible:
-            await off.load({k: k for k in visible})
-        torch.cuda.synchronize()
-        for n in caches:
-            assert same_bytes(caches[n][visible], orig[n][visible])
+        await check_every_visible_key(off, caches, orig, {i: i for i in range(256)})
 
 
 def test_start_from_a_thread_that_never_touched_cuda():
