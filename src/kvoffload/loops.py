@@ -98,10 +98,6 @@ class LoopThread:
             else:
                 transfer._finish(result=task.result())
 
-    def call(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn()`` on the loop soon (thread-safe)."""
-        self.mailbox.post(fn)
-
     def stop(self, timeout: float) -> bool:
         """Cancel every task, wait for them to end, stop the loop and join the thread.
 

@@ -59,11 +59,6 @@ class CudaMover:
         self._piece_bytes = np.array([p.nbytes for p in self._pieces], dtype=np.uint64)
         self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
 
-    @property
-    def batched(self) -> bool:
-        """True when DMA goes through cuMemcpyBatchAsync."""
-        return self._copy.batched
-
     def wait_for(self, event: Any) -> None:
         # Both streams touch cache blocks: kernels when staged, DMA when direct.
         self.kernel_stream.wait_event(event)
