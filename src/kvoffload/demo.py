@@ -29,7 +29,7 @@ def make_cache(num_blocks: int, layers: int, device: torch.device, dtype: torch.
     }
 
 
-async def _demo(device: torch.device, gib: float, layers: int, out: list[str]) -> bool:
+async def _demo(device: torch.device, gib: float, layers: int) -> bool:
     block_bytes = layers * 2 * 16 * 8 * 128 * 2
     num_blocks = max(2, int(gib * 2**30) // block_bytes)
     print(f"device: {device}  layers: {layers}  block: {block_bytes / 2**20:.2f} MiB  blocks: {num_blocks}  "
@@ -49,13 +49,11 @@ async def _demo(device: torch.device, gib: float, layers: int, out: list[str]) -
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stored = await off.store({i: src[i] for i in range(num_blocks)})
-        print(f"store: {stored.nbytes / 2**30:.2f} GiB in {stored.seconds * 1e3:.1f} ms = {stored.gbps:.1f} GB/s "
-              f"(random block ids)", flush=True)
+        report("store", stored.nbytes, stored.seconds, "random block ids")
         for t in caches.values():
             t.zero_()
         loaded = await off.load({i: dst[i] for i in range(num_blocks)})
-        print(f"load:  {loaded.nbytes / 2**30:.2f} GiB in {loaded.seconds * 1e3:.1f} ms = {loaded.gbps:.1f} GB/s "
-              f"(random block ids)", flush=True)
+        report("load", loaded.nbytes, loaded.seconds, "random block ids")
         print(f"lookup of all keys: {off.lookup(range(num_blocks))} / {num_blocks} stored", flush=True)
     ok = verify(caches, original, src, dst, device)
 
@@ -70,20 +68,22 @@ async def _demo(device: torch.device, gib: float, layers: int, out: list[str]) -
             t0 = time.perf_counter()
             for i in range(0, num_blocks, quarter):  # each store spills the previous quarter to disk
                 await off.store({i2: src[i2] for i2 in range(i, min(i + quarter, num_blocks))})
-            dt = time.perf_counter() - t0
             s = off.stats()
-            print(f"store with spill: {num_blocks * off.layout.block_bytes / 2**30:.2f} GiB in {dt * 1e3:.0f} ms = "
-                  f"{num_blocks * off.layout.block_bytes / dt / 1e9:.2f} GB/s ({s.spilled} blocks spilled, "
-                  f"{s.host_ready} in host memory, {s.disk_ready} on disk)", flush=True)
+            report("store with spill", num_blocks * off.layout.block_bytes, time.perf_counter() - t0,
+                   f"{s.spilled} blocks spilled, {s.host_ready} in host memory, {s.disk_ready} on disk")
             for t in caches.values():
                 t.zero_()
-            loaded2 = await off.load({i: dst[i] for i in range(num_blocks)})
-            print(f"load from both tiers: {loaded2.nbytes / 2**30:.2f} GiB in {loaded2.seconds * 1e3:.0f} ms = "
-                  f"{loaded2.gbps:.2f} GB/s", flush=True)
+            both = await off.load({i: dst[i] for i in range(num_blocks)})
+            report("load from both tiers", both.nbytes, both.seconds)
         print(f"disk file removed on close: {not os.path.exists(path)}", flush=True)
         ok = verify(caches, original, src, dst, device) and ok
-    out.append(f"store_gbps={stored.gbps:.2f} load_gbps={loaded.gbps:.2f}")
     return ok
+
+
+def report(what: str, nbytes: int, seconds: float, note: str = "") -> None:
+    """One line: size, time and GB/s of a step."""
+    extra = f" ({note})" if note else ""
+    print(f"{what}: {nbytes / 2**30:.2f} GiB in {seconds * 1e3:.1f} ms = {nbytes / seconds / 1e9:.2f} GB/s{extra}", flush=True)
 
 
 def verify(caches: dict[str, torch.Tensor], original: dict[str, torch.Tensor], src: list[int], dst: list[int],
@@ -104,7 +104,6 @@ def run_demo(device: str = "auto", gib: float | None = None, layers: int = 32) -
     if gib is None:
         gib = 2.0 if dev.type == "cuda" else 0.25
     t0 = time.perf_counter()
-    out: list[str] = []
-    ok = asyncio.run(_demo(dev, gib, layers, out))
+    ok = asyncio.run(_demo(dev, gib, layers))
     print(("OK: every byte round-tripped" if ok else "FAILED: data mismatch") + f" ({time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1

@@ -144,7 +144,7 @@ def runs(*seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
             if any(s[i] != s[i - 1] + 1 for s in seqs):
                 starts.append(i)
         st = np.array(starts, dtype=np.int64)
-        return st, np.diff(np.append(st, n)) if len(st) > 1 else np.array([n], dtype=np.int64)
+        return st, np.diff(np.append(st, n))
     breaks = np.zeros(n - 1, dtype=bool)
     for s in seqs:
         breaks |= np.diff(np.asarray(s, dtype=np.int64)) != 1

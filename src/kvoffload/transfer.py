@@ -10,6 +10,7 @@ transfer that ends before that loop runs (see ``wakeup.py``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any, Generator, Literal
 from .wakeup import mailbox_of
 
 __all__ = ["Transfer", "TransferResult"]
+
+log = logging.getLogger("kvoffload")
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,4 @@ def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer) -> None:
     try:
         fn(transfer)
     except Exception:  # a user's callback must not break the worker loop
-        import logging
-
-        logging.getLogger("kvoffload").exception("done callback %r raised", fn)
+        log.exception("done callback %r raised", fn)
