@@ -20,7 +20,7 @@ error is recorded in place of the event and :meth:`wait` raises it, so a
 benchmark never polls forever. Nothing else is added (no cancellation, no keys,
 no pipelining beyond what the originals do).
 
-Only ``kvoffload.layout.BlockLayout`` is used from the library, for geometry.
+Only ``kvoffload.BlockLayout`` is used from the library, for geometry.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload.layout import BlockLayout
+from kvoffload import BlockLayout
 
 __all__ = ["DiskBaseline", "HostBaseline"]
 

@@ -9,7 +9,7 @@ import pytest
 
 import kvoffload
 from conftest import check_every_visible_key, random_caches, same_bytes
-from kvoffload.movers import CpuMover
+from kvoffload._core.movers import CpuMover
 
 
 class Gate:

@@ -13,7 +13,7 @@ import pytest
 
 import kvoffload
 from conftest import random_caches, same_bytes
-from kvoffload.diskfile import IoCalls
+from kvoffload._testing import IoCalls, disk_io, uses_o_direct
 
 
 def snapshot(caches):
@@ -62,14 +62,14 @@ async def test_o_direct_is_used_and_slots_are_aligned(tmp_path):
     caches = random_caches(16)
     calls = []
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=16) as off:
-        assert off._runtime.storage.disk.file.direct  # ext4/xfs here; tmpfs would fall back with a warning
-        real = off.disk_io.pwritev
+        assert uses_o_direct(off)  # ext4/xfs here; tmpfs would fall back with a warning
+        real = disk_io(off).pwritev
 
         def spy(fd, bufs, offset):
             calls.append((offset, [memoryview(b).nbytes for b in bufs], [_addr(b) for b in bufs]))
             return real(fd, bufs, offset)
 
-        off.disk_io.pwritev = spy
+        disk_io(off).pwritev = spy
         await off.store({i: i for i in range(16)})
     assert calls
     for offset, sizes, addrs in calls:
@@ -117,14 +117,14 @@ async def test_lookup_and_load_while_a_key_is_spilling(tmp_path):
         await off.store({"a": 1, "b": 2})
         release = threading.Event()
         entered = threading.Event()
-        real = off.disk_io.pwritev
+        real = disk_io(off).pwritev
 
         def slow(fd, bufs, offset):
             entered.set()
             assert release.wait(10)
             return real(fd, bufs, offset)
 
-        off.disk_io.pwritev = slow
+        disk_io(off).pwritev = slow
         t = off.store({"c": 3})  # spills "a"
         assert await asyncio.to_thread(entered.wait, 10)
         assert off.lookup(["a", "b"]) == 2 and off.stats().spilling == 1
@@ -181,7 +181,7 @@ def test_o_direct_rejected_falls_back_with_a_warning(tmp_path, monkeypatch, capl
     orig = snapshot(caches)
     with caplog.at_level(logging.WARNING, logger="kvoffload"):
         with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=8) as off:
-            assert not off._runtime.storage.disk.file.direct
+            assert not uses_o_direct(off)
             off.store({i: i for i in range(8)}).result(10)
             for t in caches.values():
                 t.zero_()
@@ -195,7 +195,7 @@ def test_page_cache_mode(tmp_path):
     caches = random_caches(32, seed=3)
     orig = snapshot(caches)
     with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=32, use_page_cache=True) as off:
-        assert not off._runtime.storage.disk.file.direct
+        assert not uses_o_direct(off)
         off.store({i: i for i in range(32)}).result(10)
         for t in caches.values():
             t.zero_()
@@ -233,7 +233,7 @@ async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, fault, hos
         first = {("ok", i): i for i in range(4)}
         await off.store(first)
         before = off.stats()
-        off.disk_io.pwritev = fault
+        disk_io(off).pwritev = fault
         with pytest.raises(kvoffload.TransferError) as ei:
             await off.store({("bad", i): 10 + i for i in range(4)})
         assert isinstance(ei.value.__cause__, OSError)
@@ -242,7 +242,7 @@ async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, fault, hos
         assert s.pending == 0 and s.failed == 1 and s.spilling == 0
         assert (s.host_free, s.disk_free) == (before.host_free, before.disk_free)
         await assert_keys_load(off, caches, orig, first)  # the old entries are intact
-        off.disk_io.pwritev = IoCalls().pwritev
+        disk_io(off).pwritev = IoCalls().pwritev
         for n, t in caches.items():
             t.copy_(orig[n])
         await off.store({("bad", i): 10 + i for i in range(4)})  # and the service goes on
@@ -257,12 +257,12 @@ async def test_read_faults_fail_the_load_and_keep_the_entries(tmp_path, fault):
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=32) as off:
         stored = {i: i for i in range(8)}
         await off.store(stored)
-        off.disk_io.preadv = fault
+        disk_io(off).preadv = fault
         with pytest.raises(kvoffload.TransferError) as ei:
             await off.load({i: 20 + i for i in range(8)})
         assert isinstance(ei.value.__cause__, OSError)
         assert off.stats().pinned == 0 and off.lookup(list(stored)) == 8
-        off.disk_io.preadv = IoCalls().preadv
+        disk_io(off).preadv = IoCalls().preadv
         await assert_keys_load(off, caches, orig, stored)
 
 
@@ -273,7 +273,7 @@ async def test_spill_failure_keeps_victims_in_host_memory(tmp_path):
     async with kvoffload.Offloader(caches, host_blocks=4, disk_path=tmp_path / "kv", disk_blocks=16) as off:
         first = {i: i for i in range(4)}
         await off.store(first)
-        off.disk_io.pwritev = enospc
+        disk_io(off).pwritev = enospc
         with pytest.raises(kvoffload.TransferError):
             await off.store({10: 10, 11: 11})
         s = off.stats()
@@ -294,7 +294,7 @@ async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_p
             await off.store({("old", i): i for i in range(2)})
         before = off.stats()
         entered, release, finished = threading.Event(), threading.Event(), threading.Event()
-        real = off.disk_io.pwritev
+        real = disk_io(off).pwritev
 
         def gated(fd, bufs, offset):
             entered.set()
@@ -303,7 +303,7 @@ async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_p
             finished.set()
             return n
 
-        off.disk_io.pwritev = gated
+        disk_io(off).pwritev = gated
         t = off.store({("new", i): 40 + i for i in range(2)})
         assert await asyncio.to_thread(entered.wait, 10)
         t.cancel()
@@ -313,7 +313,7 @@ async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_p
         with pytest.raises(asyncio.CancelledError):
             await t
         assert finished.is_set()
-        off.disk_io.pwritev = real
+        disk_io(off).pwritev = real
         s = off.stats()
         assert s.pending == 0 and s.spilling == 0 and s.in_flight == 0
         assert off.lookup([("new", 0), ("new", 1)]) == 0 or host_blocks == 0

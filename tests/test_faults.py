@@ -38,8 +38,9 @@ from collections import Counter
 import pytest
 
 import kvoffload
+from kvoffload._testing import disk_io
 from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
-from kvoffload.movers import CpuMover
+from kvoffload._core.movers import CpuMover
 
 SLOW_S = 0.01
 
@@ -103,7 +104,7 @@ FIGURES: Counter[str] = Counter()
 
 
 def install(off: kvoffload.Offloader, inj: Injector, monkeypatch) -> None:
-    io = off.disk_io
+    io = disk_io(off)
     real_w, real_r = io.pwritev, io.preadv
     real_to_host, real_to_device = CpuMover.to_host, CpuMover.to_device
     name = inj.name
@@ -275,17 +276,18 @@ def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path, exc):
     proc = run_script(f"""
         import kvoffload
+        from kvoffload._testing import disk_io
         from conftest import random_caches
 
         caches = random_caches(16, seed=5)
         with kvoffload.Offloader(caches, host_blocks=0, disk_path={str(tmp_path / "kv")!r}, disk_blocks=8) as off:
             off.store({{"old": 0}}).result(10)
-            real = off.disk_io.pwritev
+            real = disk_io(off).pwritev
 
             def dying(fd, bufs, offset):
                 raise {exc}
 
-            off.disk_io.pwritev = dying
+            disk_io(off).pwritev = dying
             t = off.store({{"new": 1}})
             try:
                 t.result(timeout=2)
@@ -293,7 +295,7 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
                 print("failed with TransferError")
             except TimeoutError:
                 print("HUNG: the transfer did not end")
-            off.disk_io.pwritev = real
+            disk_io(off).pwritev = real
             try:
                 print("next store:", off.store({{"next": 2}}).result(timeout=2).keys)
             except TimeoutError:
@@ -305,6 +307,7 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
 def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
     proc = run_script(f"""
         import errno, torch, kvoffload
+        from kvoffload._testing import disk_io
 
         caches = {{"kv": torch.randint(0, 255, (16, 4096), dtype=torch.uint8)}}
         off = kvoffload.Offloader(caches, host_blocks=0, disk_path={str(tmp_path / "kv")!r}, disk_blocks=8).start()
@@ -312,7 +315,7 @@ def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
         def eio(fd, bufs, offset):
             raise OSError(errno.EIO, "Input/output error")
 
-        off.disk_io.pwritev = eio
+        disk_io(off).pwritev = eio
         try:
             off.store({{"a": 0}}).result(10)
         except kvoffload.TransferError as e:
@@ -336,7 +339,7 @@ def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, how
         for i in range(0, 4, 2):  # with 2 host slots the second store spills keys 0 and 1 to disk
             off.store({i: i, i + 1: i + 1}).result(10)
         disk_keys = [0, 1] if host_blocks else [0, 1, 2, 3]
-        real = off.disk_io.preadv
+        real = disk_io(off).preadv
         entered, release = threading.Event(), threading.Event()
 
         def fault(fd, bufs, offset):
@@ -348,7 +351,7 @@ def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, how
             assert release.wait(10)
             return real(fd, bufs, offset)
 
-        off.disk_io.preadv = fault
+        disk_io(off).preadv = fault
         for attempt in range(2):  # each attempt fails (or is cancelled) while its read is in flight
             entered.clear()
             release.clear()
@@ -362,7 +365,7 @@ def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, how
             else:
                 with pytest.raises(kvoffload.TransferError):
                     t.result(timeout=5)
-        off.disk_io.preadv = real  # the disk is healthy again
+        disk_io(off).preadv = real  # the disk is healthy again
         for t_ in caches.values():
             t_[16:24].zero_()
         off.load({k: 16 + j for j, k in enumerate(disk_keys)}).result(timeout=2)  # hung before the fix

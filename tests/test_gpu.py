@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvoffload
+from kvoffload._testing import disk_io, pinned_buffers
 from conftest import check_every_visible_key, random_caches, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -47,11 +48,11 @@ def caches_block(caches):
 
 
 def test_batch_copy_resolved_and_slab_pinned():
-    from kvoffload.cuda.driver import BatchCopy, driver
+    from kvoffload._core.cuda.driver import BatchCopy, driver
 
     assert BatchCopy().batched, "cuMemcpyBatchAsync should resolve on a CUDA 12.8+ driver"
     with kvoffload.Offloader(gpu_caches(8), host_blocks=8) as off:
-        buf = off._runtime.storage.host.buffer
+        buf = pinned_buffers(off)[0]
         assert buf.pinned
         err, _flags = driver().cuMemHostGetFlags(buf.address)
         assert int(err) == 0, "host slab is not page-locked"
@@ -105,7 +106,7 @@ async def test_load_waits_for_callers_stream():
 @pytest.mark.asyncio
 async def test_ordering_tests_fail_without_the_wait(monkeypatch):
     """The two tests above can fail: with the wait on the caller's stream removed, both see the race."""
-    from kvoffload.cuda.mover import CudaMover
+    from kvoffload._core.cuda.mover import CudaMover
 
     monkeypatch.setattr(CudaMover, "wait_for", lambda self, event: None)
     assert not await store_right_after_kernel_write()
@@ -254,8 +255,8 @@ async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypat
     import errno
     import os
 
-    from kvoffload.cuda.driver import CudaError
-    from kvoffload.cuda.mover import CudaMover
+    from kvoffload._core.cuda.driver import CudaError
+    from kvoffload._core.cuda.mover import CudaMover
 
     caches = gpu_caches(64, seed=8)
     orig = {n: t.clone() for n, t in caches.items()}
@@ -268,18 +269,18 @@ async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypat
             monkeypatch.setattr(CudaMover, "to_host", broken)
             failing = off.store({i: i for i in range(8, 12)})
         elif fault == "short-write":
-            off.disk_io.pwritev = lambda fd, bufs, offset: os.pwritev(fd, bufs, offset) - 4096
+            disk_io(off).pwritev = lambda fd, bufs, offset: os.pwritev(fd, bufs, offset) - 4096
             failing = off.store({i: i for i in range(8, 12)})
         else:
             def eio(fd, bufs, offset):
                 raise OSError(errno.EIO, "Input/output error")
 
-            off.disk_io.preadv = eio
+            disk_io(off).preadv = eio
             failing = off.load({i: 40 + i for i in range(8)})
         with pytest.raises(kvoffload.TransferError):
             await failing
         monkeypatch.undo()
-        off.disk_io.pwritev, off.disk_io.preadv = os.pwritev, os.preadv
+        disk_io(off).pwritev, disk_io(off).preadv = os.pwritev, os.preadv
         s = off.stats()
         assert s.pending == 0 and s.pinned == 0 and off.lookup(range(12)) == 8
         for t in caches.values():
@@ -292,10 +293,10 @@ async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypat
 
 
 def test_pinned_memory_is_released_on_close(tmp_path):
-    from kvoffload.cuda.driver import driver
+    from kvoffload._core.cuda.driver import driver
 
     with kvoffload.Offloader(gpu_caches(8), host_blocks=8, disk_path=tmp_path / "kv", disk_blocks=8) as off:
-        buffers = [off._runtime.storage.host.buffer, *off._runtime.storage.disk._bounce]
+        buffers = pinned_buffers(off)
         addresses = [b.address for b in buffers]
         for a in addresses:
             assert int(driver().cuMemHostGetFlags(a)[0]) == 0  # page-locked while open

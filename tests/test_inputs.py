@@ -120,7 +120,7 @@ def test_mixed_devices_and_unsupported_devices_are_rejected():
 
 def test_out_of_range_ids_never_reach_a_copy(off, monkeypatch):
     """The range check comes before any address arithmetic: the mover is never called."""
-    from kvoffload.movers import CpuMover
+    from kvoffload._core.movers import CpuMover
 
     calls = []
     monkeypatch.setattr(CpuMover, "to_host", lambda self, *a: calls.append(a))

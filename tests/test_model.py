@@ -47,8 +47,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 import kvoffload
+from kvoffload._testing import disk_io
 from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
-from kvoffload.movers import CpuMover
+from kvoffload._core.movers import CpuMover
 
 SOAK = os.environ.get("KVOFFLOAD_SOAK", "") not in ("", "0")
 MAX_EXAMPLES = int(os.environ.get("KVOFFLOAD_SOAK_EXAMPLES", "2000")) if SOAK else 300
@@ -117,7 +118,7 @@ HOOKS = Hooks()
 
 
 def install_io_hooks(off: kvoffload.Offloader) -> None:
-    io = off.disk_io
+    io = disk_io(off)
     real_w, real_r = io.pwritev, io.preadv
 
     def pwritev(fd, bufs, offset):

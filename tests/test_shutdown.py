@@ -22,6 +22,7 @@ import time
 import pytest
 
 import kvoffload
+from kvoffload._testing import disk_io
 from conftest import kvoffload_threads, random_caches, report_figure
 
 SHUTDOWN_BOUND_S = 10.0
@@ -39,7 +40,7 @@ def rss_bytes() -> int:
 
 
 def slow_disk(off: kvoffload.Offloader) -> None:
-    io = off.disk_io
+    io = disk_io(off)
     real_w, real_r = io.pwritev, io.preadv
 
     def pwritev(fd, bufs, offset):

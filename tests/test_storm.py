@@ -29,8 +29,9 @@ from collections import Counter
 import pytest
 
 import kvoffload
+from kvoffload._testing import disk_io
 from conftest import random_caches, report_figure, same_bytes
-from kvoffload.movers import CpuMover
+from kvoffload._core.movers import CpuMover
 
 SOURCES = 64  # key ("k", b) is always stored from block b (never written), so its bytes are fixed
 WORKER_DEST = 8  # each worker loads into its own 8 blocks after the sources
@@ -270,14 +271,14 @@ def torn_load_after_cancelled_spill(workdir: str) -> bool:
         async with kvoffload.Offloader(caches, host_blocks=1, disk_path=f"{workdir}/torn.kv", disk_blocks=8) as off:
             await off.store({"x": 1})
             write_gate, write_entered = threading.Event(), threading.Event()
-            real_pwritev = off.disk_io.pwritev
+            real_pwritev = disk_io(off).pwritev
 
             def gated_write(fd, bufs, offset):
                 write_entered.set()
                 assert write_gate.wait(10)
                 return real_pwritev(fd, bufs, offset)
 
-            off.disk_io.pwritev = gated_write
+            disk_io(off).pwritev = gated_write
             spilling = off.store({"y": 2})
             assert await asyncio.to_thread(write_entered.wait, 10)
             load = off.load({"x": 5})  # x is still in host memory: the load reads slot 0

@@ -118,7 +118,7 @@ def test_done_callback_and_result_timeout(caches):
 
 
 def test_result_times_out_while_running(caches, monkeypatch):
-    from kvoffload.movers import CpuMover
+    from kvoffload._core.movers import CpuMover
 
     release = threading.Event()
     real = CpuMover.to_host
@@ -139,7 +139,7 @@ def test_result_times_out_while_running(caches, monkeypatch):
 
 @pytest.mark.asyncio
 async def test_copy_error_fails_transfer_and_loses_nothing(monkeypatch):
-    from kvoffload.movers import CpuMover
+    from kvoffload._core.movers import CpuMover
 
     caches = random_caches(32, seed=4)
     orig = snapshot(caches)

@@ -3,15 +3,28 @@
 >>> async with kvoffload.Offloader(kv_caches, host_blocks=1024) as off:
 ...     await off.store({key: 3})
 ...     await off.load({key: 11})
+
+The implementation lives in the private ``kvoffload._core`` package; everything
+public is re-exported here and reports ``kvoffload`` as its module.
 """
 
-from .errors import CapacityError, ClosedError, MissingKeysError, OffloadError, TransferError
-from .layout import BlockLayout
-from .offloader import Offloader, OffloaderStats
-from .transfer import Transfer, TransferResult
+from ._core.errors import (
+    CapacityError,
+    ClosedError,
+    CloseError,
+    MissingKeysError,
+    OffloadError,
+    StartError,
+    TransferError,
+)
+from ._core.layout import BlockLayout
+from ._core.offloader import Offloader, OffloaderStats
+from ._core.options import Options
+from ._core.transfer import Transfer, TransferResult
 
 __all__ = [
     "Offloader",
+    "Options",
     "OffloaderStats",
     "Transfer",
     "TransferResult",
@@ -21,5 +34,12 @@ __all__ = [
     "CapacityError",
     "MissingKeysError",
     "ClosedError",
+    "StartError",
+    "CloseError",
 ]
 __version__ = "0.1.0"
+
+# Users see kvoffload.Offloader, not kvoffload._core.offloader.Offloader, in reprs and tracebacks.
+for _name in __all__:
+    globals()[_name].__module__ = __name__
+del _name

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .loops import LoopThread
-from .offloader import Offloader
+from ._core.loops import LoopThread
+from ._core.offloader import Offloader
 
 __all__ = ["main", "Layout"]
 
@@ -147,7 +147,7 @@ def _fmt_row(r: dict[str, Any]) -> str:
 
 def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any) -> None:
     """Host store/load, contiguous and random ids; both directions at once."""
-    from .hostmem import HostBuffer
+    from ._core.hostmem import HostBuffer
 
     n = lay.blocks_for(gib)
     nbytes = n * lay.block_bytes
@@ -365,7 +365,7 @@ def wake_floor(n: int = 2000) -> list[float]:
 
 def bridge_latency(kind: str, n: int = 2000) -> tuple[list[float], float]:
     """From an event's enqueue on an idle stream to the awaiting coroutine resuming; CPU per op."""
-    from .cuda.events import make_bridge
+    from ._core.cuda.events import make_bridge
 
     lt = LoopThread("kvoffload-bench-bridge", on_thread_start=lambda: torch.cuda.set_device(0))
     bridge = make_bridge(kind, lt.loop, "kvoffload-bench-events")

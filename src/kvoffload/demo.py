@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .offloader import Offloader
+from ._core.offloader import Offloader
 
 __all__ = ["run_demo"]
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-__all__ = ["OffloadError", "TransferError", "CapacityError", "MissingKeysError", "ClosedError"]
+__all__ = [
+    "OffloadError", "TransferError", "CapacityError", "MissingKeysError", "ClosedError", "StartError", "CloseError",
+]
 
 
 class OffloadError(Exception):
@@ -42,3 +44,19 @@ class MissingKeysError(OffloadError, KeyError):
 
 class ClosedError(OffloadError):
     """The offloader is not running: it was closed, or never started."""
+
+
+class StartError(OffloadError):
+    """``start()`` could not set the offloader up: no memory to pin, no such directory, a read-only
+    or full file system, a disk path that is not a regular file or is held by another offloader.
+
+    The underlying error (often an ``OSError``) is ``__cause__``. Nothing is left allocated.
+    """
+
+
+class CloseError(OffloadError):
+    """``close()`` could not finish within its timeout: a worker or IO thread is still running.
+
+    Memory and the disk file are kept while a thread may still use them; call ``close()``
+    again to finish the shutdown.
+    """

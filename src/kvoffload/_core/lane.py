@@ -25,7 +25,7 @@ import torch
 from .loops import LoopThread
 from .movers import BlockMover
 
-__all__ = ["Lane", "CopyRequest"]
+__all__ = ["Lane", "CopyRequest", "CopyCalls"]
 
 C = TypeVar("C")
 
@@ -43,12 +43,34 @@ class CopyRequest:
     event: Any = None
 
 
+def _to_host(mover: BlockMover, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
+    return mover.to_host(block_ids, host, rows)
+
+
+def _to_device(mover: BlockMover, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
+    return mover.to_device(host, rows, block_ids)
+
+
+@dataclass
+class CopyCalls:
+    """How lanes call their mover: ``to_host(mover, block_ids, host, rows)`` and
+    ``to_device(mover, host, rows, block_ids)``, looked up at every call.
+
+    One per offloader, shared by both lanes; ``kvoffload._testing.copy_calls``
+    hands it to tests, which replace an attribute to gate or break copies.
+    """
+
+    to_host: Callable[[BlockMover, Sequence[int], torch.Tensor, Sequence[int]], Any] = _to_host
+    to_device: Callable[[BlockMover, torch.Tensor, Sequence[int], Sequence[int]], Any] = _to_device
+
+
 class Lane:
     """Loop thread + mover + bridge for one direction."""
 
-    def __init__(self, loop_thread: LoopThread, mover: BlockMover, bridge: Any, depth: int = 3) -> None:
+    def __init__(self, loop_thread: LoopThread, mover: BlockMover, bridge: Any, calls: CopyCalls, depth: int = 3) -> None:
         self.thread = loop_thread
         self.mover = mover
+        self.calls = calls
         self.bridge = bridge
         self.depth = depth
         self._pending: list[CopyRequest] = []
@@ -99,9 +121,9 @@ class Lane:
             rows = [x for r in batch for x in r.rows] if len(batch) > 1 else first.rows
             try:
                 if first.to_host:
-                    event = self.mover.to_host(ids, first.host, rows)
+                    event = self.calls.to_host(self.mover, ids, first.host, rows)
                 else:
-                    event = self.mover.to_device(first.host, rows, ids)
+                    event = self.calls.to_device(self.mover, first.host, rows, ids)
             except BaseException as e:
                 if not isinstance(e, Exception):  # never let SystemExit & co. stop the worker loop
                     err: BaseException = RuntimeError(f"copy raised {e!r}")

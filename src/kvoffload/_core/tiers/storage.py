@@ -15,6 +15,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..diskfile import IoCalls
+from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Entry, Reservation
 from ..lane import Lane
 from ..layout import BlockLayout
@@ -162,6 +164,14 @@ class Storage:
         if not plan.released:
             plan.released = True
             self.index.unpin(plan.pinned)
+
+    def disk_io(self) -> IoCalls | None:
+        """The disk tier's system calls (the test seam), or None without a disk tier."""
+        return self.disk.file.io if self.disk is not None else None
+
+    def host_buffers(self) -> list[HostBuffer]:
+        """The host slab and the disk tier's bounce buffers."""
+        return ([self.host.buffer] if self.host is not None else []) + (self.disk.bounce_buffers() if self.disk is not None else [])
 
     def close(self, timeout: float = 30.0) -> bool:
         """Free both tiers (no copy may be running); False if the disk's IO threads are stuck."""

@@ -13,12 +13,12 @@ from typing import Any, Literal
 import torch
 
 from .cuda.events import make_bridge
-from .diskfile import IoCalls
 from .errors import ClosedError, OffloadError, TransferError
-from .lane import Lane
+from .lane import CopyCalls, Lane
 from .layout import BlockLayout, check_block_mapping
 from .loops import LoopThread
 from .movers import make_mover
+from .options import Options
 from .tiers.storage import Storage
 from .transfer import Transfer, TransferResult
 
@@ -88,25 +88,26 @@ class _Counters:
 class _Runtime:
     """Everything ``start()`` creates; closed by ``close()`` or when the offloader is collected."""
 
-    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
+    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options) -> None:
         self.layout = layout
         self.storage: Storage | None = None
         self.lanes: list[Lane] = []
+        self.copy_calls = CopyCalls()
         try:
             self.storage = Storage(
-                layout, opts["host_blocks"], opts["disk_path"], opts["disk_blocks"],
-                chunk_blocks=max(1, opts["chunk_bytes"] // layout.slot_bytes),
-                io_threads=opts["io_threads"], use_page_cache=opts["use_page_cache"],
+                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks,
+                chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
+                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
             )
             for name in ("store", "load"):
                 thread = LoopThread(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
                 try:
-                    mover = make_mover(layout, caches, chunk_bytes=opts["chunk_bytes"], use_batch_copy=opts["use_batch_copy"])
-                    bridge = make_bridge(opts["completion"], thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
+                    mover = make_mover(layout, caches, chunk_bytes=opts.chunk_bytes, use_batch_copy=opts.use_batch_copy)
+                    bridge = make_bridge(opts.completion, thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
                 except BaseException:
                     thread.stop(5.0)
                     raise
-                self.lanes.append(Lane(thread, mover, bridge))
+                self.lanes.append(Lane(thread, mover, bridge, self.copy_calls))
         except BaseException:
             self.close(timeout=5.0)
             raise
@@ -166,12 +167,12 @@ class Offloader:
     def __init__(
         self,
         kv_caches: Mapping[str, torch.Tensor],
-        host_blocks: int = 4096,
-        disk_path: str | None = None,
-        disk_blocks: int = 0,
         *,
+        host_blocks: int = 4096,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_blocks: int = 0,
         chunk_bytes: int = 128 << 20,
-        completion: Literal["thread", "poll"] = "poll",
+        completion: Literal["poll", "thread"] = "poll",
         use_batch_copy: bool = True,
         io_threads: int = 4,
         use_page_cache: bool = False,
@@ -179,25 +180,11 @@ class Offloader:
         self._layout = BlockLayout.of(kv_caches)
         self._cuda = self._layout.is_cuda
         self._caches = dict(kv_caches)
-        _check_count("host_blocks", host_blocks, minimum=0)
-        _check_count("disk_blocks", disk_blocks, minimum=0)
-        _check_count("chunk_bytes", chunk_bytes, minimum=1)
-        _check_count("io_threads", io_threads, minimum=1)
-        if disk_path is not None and not isinstance(disk_path, (str, os.PathLike)):
-            raise TypeError(f"disk_path must be a path or None, got {type(disk_path).__name__}")
-        if disk_blocks and disk_path is None:
-            raise ValueError("disk_blocks > 0 needs a disk_path")
-        if disk_path is not None and not disk_blocks:
-            raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
-        if not host_blocks and not disk_blocks:
-            raise ValueError("no room: host_blocks and disk_blocks are both 0")
-        if completion not in ("thread", "poll"):
-            raise ValueError(f"completion must be 'thread' or 'poll', got {completion!r}")
-        self._opts = {
-            "host_blocks": host_blocks, "disk_path": os.fspath(disk_path) if disk_path is not None else None,
-            "disk_blocks": disk_blocks, "chunk_bytes": chunk_bytes, "completion": completion,
-            "use_batch_copy": use_batch_copy, "io_threads": io_threads, "use_page_cache": bool(use_page_cache),
-        }
+        self._options = Options(
+            host_blocks=host_blocks, disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
+            disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion,
+            use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
+        )
         self._lock = threading.Lock()
         self._runtime: _Runtime | None = None
         self._closed = False
@@ -205,6 +192,11 @@ class Offloader:
         self._finalizer: weakref.finalize | None = None
 
     # -- lifecycle ----------------------------------------------------------------
+
+    @property
+    def options(self) -> Options:
+        """The options this offloader was made with."""
+        return self._options
 
     @property
     def layout(self) -> BlockLayout:
@@ -217,7 +209,7 @@ class Offloader:
             if self._closed:
                 raise ClosedError("the offloader was closed; create a new one")
             if self._runtime is None:
-                self._runtime = _Runtime(self._layout, self._caches, self._opts)
+                self._runtime = _Runtime(self._layout, self._caches, self._options)
                 self._finalizer = weakref.finalize(self, self._runtime.close, 5.0)
         return self
 
@@ -254,11 +246,16 @@ class Offloader:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def _running(self) -> Storage:
+    def _running_runtime(self) -> _Runtime:
         rt = self._runtime
         if rt is None or rt.storage is None:
             raise ClosedError("the offloader is closed" if self._closed else "the offloader is not started: use 'async with', 'with' or start()")
-        return rt.storage
+        return rt
+
+    def _running_storage(self) -> Storage:
+        storage = self._running_runtime().storage
+        assert storage is not None
+        return storage
 
     def _lane(self, i: int) -> Lane:
         assert self._runtime is not None
@@ -279,7 +276,7 @@ class Offloader:
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False)
         self._check_after(after)
         with self._lock:
-            storage = self._running()
+            storage = self._running_storage()
             plan = storage.plan_store(checked)
             if not plan.reservation.entries:
                 t = Transfer("store")
@@ -301,7 +298,7 @@ class Offloader:
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True)
         self._check_after(after)
         with self._lock:
-            storage = self._running()
+            storage = self._running_storage()
             if not checked:
                 t = Transfer("load")
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
@@ -341,19 +338,9 @@ class Offloader:
 
     # -- index ----------------------------------------------------------------------
 
-    @property
-    def disk_io(self) -> IoCalls | None:
-        """The system calls the disk tier makes (``pwritev``, ``preadv``), or None without a disk tier.
-
-        A test seam: replace its attributes to inject faults (short writes,
-        ENOSPC, EIO, slow IO). Nothing else should need it.
-        """
-        storage = self._running()
-        return storage.disk.file.io if storage.disk is not None else None
-
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length)."""
-        return self._running().index.lookup(keys)
+        return self._running_storage().index.lookup(keys)
 
     def __contains__(self, key: Hashable) -> bool:
         rt = self._runtime
@@ -361,7 +348,7 @@ class Offloader:
 
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget stored keys; returns how many were present. Running loads of them finish normally."""
-        return self._running().index.discard(keys)
+        return self._running_storage().index.discard(keys)
 
     def stats(self) -> OffloaderStats:
         """A snapshot of slot use and transfer counters."""
@@ -370,9 +357,9 @@ class Offloader:
         k = self._counters
         with k.lock:
             return OffloaderStats(
-                host_slots=self._opts["host_blocks"],
+                host_slots=self._options.host_blocks,
                 host_free=c.get("host_free", 0),
-                disk_slots=self._opts["disk_blocks"],
+                disk_slots=self._options.disk_blocks,
                 disk_free=c.get("disk_free", 0),
                 ready=c.get("host_ready", 0) + c.get("disk_ready", 0),
                 host_ready=c.get("host_ready", 0),
@@ -391,9 +378,3 @@ class Offloader:
                 bytes_loaded=k.bytes_loaded,
             )
 
-
-def _check_count(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

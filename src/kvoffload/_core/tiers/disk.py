@@ -236,6 +236,10 @@ class DiskTier:
             await lane.settle(last)
             raise
 
+    def bounce_buffers(self) -> list[HostBuffer]:
+        """The pinned bounce buffers."""
+        return list(self._bounce)
+
     def close(self, timeout: float = 30.0) -> bool:
         """Stop the IO threads, then close and unlink the file; False if a thread is stuck (fd leaked)."""
         self.pool.shutdown(wait=False, cancel_futures=True)

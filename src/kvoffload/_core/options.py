@@ -1,0 +1,69 @@
+"""The offloader's options: one frozen, validated value instead of loose keyword arguments."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Options"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything about an :class:`Offloader` except its caches; validated on construction.
+
+    ``Offloader(kv_caches, host_blocks=1024, ...)`` builds one from its keyword
+    arguments; ``off.options`` returns it.
+    """
+
+    host_blocks: int = 4096
+    """Block slots in (pinned) host memory; 0 for a disk-only offloader."""
+    disk_path: str | None = None
+    """File of the disk tier (created fresh, mode 0600, removed on close), or None."""
+    disk_blocks: int = 0
+    """Block slots on disk; needs ``disk_path``."""
+    chunk_bytes: int = 128 << 20
+    """Bytes per copy chunk: the unit of pipelining and of cancellation. A GPU cache gets two
+    staging buffers of this size per direction (512 MiB of GPU memory in all at the default)."""
+    completion: Literal["poll", "thread"] = "poll"
+    """How CUDA completion reaches the worker loops (see docs/design.md)."""
+    use_batch_copy: bool = True
+    """False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``."""
+    io_threads: int = 4
+    """Disk IO threads."""
+    use_page_cache: bool = False
+    """Buffered disk IO instead of O_DIRECT."""
+
+    def __post_init__(self) -> None:
+        _check_count("host_blocks", self.host_blocks, minimum=0)
+        _check_count("disk_blocks", self.disk_blocks, minimum=0)
+        _check_count("chunk_bytes", self.chunk_bytes, minimum=1)
+        _check_count("io_threads", self.io_threads, minimum=1)
+        if self.disk_path is not None:
+            if not isinstance(self.disk_path, (str, os.PathLike)):
+                raise TypeError(f"disk_path must be a path or None, got {type(self.disk_path).__name__}")
+            path = os.fspath(self.disk_path)
+            if not isinstance(path, str):
+                raise TypeError(f"disk_path must be a str path, got {type(path).__name__}")
+            if not path or "\0" in path:
+                raise ValueError(f"disk_path is not a valid path: {path!r}")
+            object.__setattr__(self, "disk_path", path)
+        if self.disk_blocks and self.disk_path is None:
+            raise ValueError("disk_blocks > 0 needs a disk_path")
+        if self.disk_path is not None and not self.disk_blocks:
+            raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
+        if not self.host_blocks and not self.disk_blocks:
+            raise ValueError("no room: host_blocks and disk_blocks are both 0")
+        if self.completion not in ("thread", "poll"):
+            raise ValueError(f"completion must be 'thread' or 'poll', got {self.completion!r}")
+        for name in ("use_batch_copy", "use_page_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+
+
+def _check_count(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,55 @@
+"""Seams for tests: inject faults into an offloader's disk IO and copies. Not for production use.
+
+Both functions return a live object whose attributes the offloader looks up at
+every call, so a test replaces an attribute to intercept every later call::
+
+    io = kvoffload._testing.disk_io(off)
+    real = io.pwritev
+    io.pwritev = lambda fd, buffers, offset: real(fd, buffers, offset) - 4096  # a short write
+
+These names are kept stable for tests; everything else under ``kvoffload._core``
+may change without notice.
+"""
+
+from __future__ import annotations
+
+from ._core.diskfile import IoCalls
+from ._core.hostmem import HostBuffer
+from ._core.lane import CopyCalls
+from ._core.offloader import Offloader
+
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "pinned_buffers", "IoCalls", "CopyCalls"]
+
+
+def disk_io(off: Offloader) -> IoCalls | None:
+    """The system calls of ``off``'s disk tier, or None without one.
+
+    The disk tier calls ``io.pwritev(fd, buffers, offset)`` and
+    ``io.preadv(fd, buffers, offset)``, positionally, as ``os.pwritev`` /
+    ``os.preadv`` are called. Anything but the requested byte count returned
+    (short, zero, longer, ``None``) and any exception raised fail that transfer
+    with :class:`kvoffload.TransferError`. The offloader must be started.
+    """
+    return off._running_storage().disk_io()
+
+
+def copy_calls(off: Offloader) -> CopyCalls:
+    """How ``off``'s worker loops call their block movers (both directions).
+
+    ``calls.to_host(mover, block_ids, host, rows)`` and
+    ``calls.to_device(mover, host, rows, block_ids)``; replace either to gate
+    or break copies. Any exception raised fails the transfer with
+    :class:`kvoffload.TransferError`. The offloader must be started.
+    """
+    return off._running_runtime().copy_calls
+
+
+def uses_o_direct(off: Offloader) -> bool:
+    """True when ``off``'s disk tier does O_DIRECT IO (False: buffered, or no disk tier)."""
+    disk = off._running_storage().disk
+    return disk is not None and disk.file.direct
+
+
+def pinned_buffers(off: Offloader) -> list[HostBuffer]:
+    """Every host buffer ``off`` allocated: the host slab and the disk tier's bounce buffers."""
+    return off._running_storage().host_buffers()
