@@ -10,6 +10,7 @@ key's current copy and reads host-resident keys and disk-resident keys in turn.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any
 
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
-from ..index import DISK, HOST, BlockIndex, Entry, Reservation
+from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..lane import Lane
 from ..layout import BlockLayout
 from ..transfer import TransferResult
@@ -42,7 +43,7 @@ class StorePlan:
 class LoadPlan:
     """A load's pinned copies and destination blocks."""
 
-    pinned: list[tuple[Entry, int, int]]  # (entry, tier, slot)
+    pins: list[Pin]
     block_ids: list[int]
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
@@ -112,6 +113,7 @@ class Storage:
         )
 
     async def _spill(self, plan: StorePlan) -> None:
+        """Write the victims to disk, then wait until no load reads the host slots their heirs take."""
         assert self.host is not None and self.disk is not None
         host = self.host.array
         spills = plan.reservation.spills
@@ -124,18 +126,21 @@ class Storage:
                 raise
             for s in group:
                 self.index.spill_done(s)
-        # A load that pinned a spilled entry's host copy before it moved may still be reading it.
-        while any(self.index.host_readers(s) for s in spills):
-            await asyncio.sleep(0.001)
+        # A load that pinned a victim's host copy before it moved may still be reading it.
+        loop = asyncio.get_running_loop()
+        for s in spills:
+            unread: asyncio.Future[None] = loop.create_future()
+            self.index.when_unread(s.host_slot, functools.partial(_resolve_from_any_thread, loop, unread))
+            await unread
 
     def end_store(self, plan: StorePlan) -> None:
-        """Undo what the store did not finish (idempotent): unstarted spills, unpublished entries."""
+        """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries."""
         if plan.finished:
             return
         plan.finished = True
         for s in plan.reservation.spills:
-            self.index.spill_failed(s)  # no-op for spills that completed
-        self.index.abort(plan.reservation.entries[plan.published :], plan.reservation.spills)
+            self.index.spill_failed(s)  # no-op for spills that ended
+        self.index.abort(plan.reservation.entries[plan.published :])
 
     # -- load -------------------------------------------------------------------------
 
@@ -148,22 +153,22 @@ class Storage:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
         if after is not None:
             lane.mover.wait_for(after)
-        from_host = [(slot, b) for (_, tier, slot), b in zip(plan.pinned, plan.block_ids) if tier == HOST]
-        from_disk = [(slot, b) for (_, tier, slot), b in zip(plan.pinned, plan.block_ids) if tier == DISK]
+        from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
+        from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK]
         if from_host:
             assert self.host is not None
             await self.host.copy_out(lane, from_host)
         if from_disk:
             assert self.disk is not None
             await self.disk.load(lane, from_disk)
-        keys = tuple(e.key for e, _, _ in plan.pinned)
+        keys = tuple(p.entry.key for p in plan.pins)
         return TransferResult("load", keys, (), len(keys) * self.layout.block_bytes, time.perf_counter() - plan.started)
 
     def end_load(self, plan: LoadPlan) -> None:
         """Release the load's pins (idempotent)."""
         if not plan.released:
             plan.released = True
-            self.index.unpin(plan.pinned)
+            self.index.unpin(plan.pins)
 
     def disk_io(self) -> IoCalls | None:
         """The disk tier's system calls (the test seam), or None without a disk tier."""
@@ -183,3 +188,15 @@ class Storage:
             self.host.close()
             self.host = None
         return ok
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _resolve_from_any_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, fut)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+        pass
