@@ -18,7 +18,7 @@ from ._core.hostmem import HostBuffer
 from ._core.lane import CopyCalls
 from ._core.offloader import Offloader
 
-__all__ = ["disk_io", "copy_calls", "uses_o_direct", "pinned_buffers", "IoCalls", "CopyCalls"]
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "pinned_buffers", "check_index", "IoCalls", "CopyCalls"]
 
 
 def disk_io(off: Offloader) -> IoCalls | None:
@@ -53,3 +53,8 @@ def uses_o_direct(off: Offloader) -> bool:
 def pinned_buffers(off: Offloader) -> list[HostBuffer]:
     """Every host buffer ``off`` allocated: the host slab and the disk tier's bounce buffers."""
     return off._running_storage().host_buffers()
+
+
+def check_index(off: Offloader) -> None:
+    """Assert every invariant of ``off``'s index: each slot free or owned once, states consistent."""
+    off._running_storage().index.check()

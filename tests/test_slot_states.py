@@ -1,0 +1,426 @@
+"""The index's entry states and slot ownership: every transition, and a model run of interleavings.
+
+The index is the one authority over which slot holds which key. These tests drive it exactly as the
+tiers do (reserve, write spills, spill done/failed, wait for readers, write and publish chunk by
+chunk, abort; pin, read, unpin; discard, evict), over a simulated memory in which every slot holds
+the tag of the bytes last written there. A load checks, when it reads, that its slot still holds the
+tag it pinned: a slot handed to a new owner while a load still reads it, or freed twice, shows up as
+another key's bytes, as it would to a user.
+
+``test_interleavings_keep_every_slot_owned_once`` runs many stores, loads, discards and
+cancellations interleaved step by step at random (at least 100,000 steps per CI run, figure printed at
+the end), and checks every invariant after every step. ``test_the_discarded_spill_victim_*`` replays,
+on a real offloader, the sequence that once returned another key's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Generator, Hashable
+from dataclasses import dataclass, field
+
+import pytest
+
+import kvoffload
+from conftest import random_caches, report_figure, same_bytes
+from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, Spill, State
+from kvoffload._testing import check_index, copy_calls, disk_io
+
+# -- transitions, one by one ------------------------------------------------------------------
+
+
+def two_tier(host: int = 2, disk: int = 2) -> BlockIndex:
+    return BlockIndex(host, disk)
+
+
+def store(ix: BlockIndex, *keys: Hashable) -> None:
+    r = ix.reserve(keys)
+    for s in r.spills:
+        ix.spill_done(s)
+    ix.publish(r.entries)
+
+
+def free(ix: BlockIndex) -> tuple[int, int]:
+    c = ix.counts()
+    return c["host_free"], c["disk_free"]
+
+
+def state_of(ix: BlockIndex, key: Hashable) -> State | None:
+    e = ix._entries.get(key)
+    return None if e is None else e.state
+
+
+def test_pending_publish_and_abort():
+    ix = two_tier()
+    r = ix.reserve(["a", "b"])
+    assert [state_of(ix, k) for k in "ab"] == [State.PENDING, State.PENDING]
+    assert ix.lookup(["a"]) == 0 and "a" not in ix and free(ix) == (0, 2)
+    ix.publish(r.entries[:1])
+    ix.abort(r.entries[1:])
+    assert state_of(ix, "a") is State.READY and state_of(ix, "b") is None and free(ix) == (1, 2)
+    ix.check()
+
+
+def test_discard_in_each_state_frees_each_slot_exactly_once():
+    # PENDING: the slot is freed when the store ends (publish or abort), never by discard.
+    for end in ("publish", "abort"):
+        ix = two_tier()
+        r = ix.reserve(["a"])
+        assert ix.discard(["a"]) == 1 and free(ix) == (1, 2)
+        (ix.publish if end == "publish" else ix.abort)(r.entries)
+        assert "a" not in ix and free(ix) == (2, 2), end
+        ix.check()
+    # READY: at once, or at the last unpin when a load reads it.
+    ix = two_tier()
+    store(ix, "a")
+    pins = ix.pin(["a"])
+    assert ix.discard(["a"]) == 1 and free(ix) == (1, 2)
+    ix.unpin(pins)
+    assert free(ix) == (2, 2)
+    ix.check()
+    # SPILLING: visible until discarded; both slots released when the spill ends, however it ends.
+    for end in ("done", "failed"):
+        ix = two_tier(host=1)
+        store(ix, "a")
+        r = ix.reserve(["b"])
+        (spill,) = r.spills
+        assert state_of(ix, "a") is State.SPILLING and "a" in ix
+        assert ix.discard(["a"]) == 1 and "a" not in ix
+        (ix.spill_done if end == "done" else ix.spill_failed)(spill)
+        (ix.publish if end == "done" else ix.abort)(r.entries)
+        assert free(ix) == ((0, 2) if end == "done" else (1, 2)), end
+        ix.check()
+
+
+def test_spill_done_moves_the_victim_and_hands_its_host_slot_to_the_heir():
+    ix = two_tier(host=1)
+    store(ix, "a")
+    r = ix.reserve(["b"])
+    (spill,) = r.spills
+    assert (spill.victim.key, spill.heir.key) == ("a", "b")
+    ix.spill_done(spill)
+    assert state_of(ix, "a") is State.READY and ix._entries["a"].tier == DISK
+    ix.publish(r.entries)
+    assert ix.lookup(["a", "b"]) == 2 and free(ix) == (0, 1)
+    ix.check()
+
+
+def test_spill_failed_keeps_the_victim_in_host_memory_and_the_heir_owns_nothing():
+    ix = two_tier(host=1)
+    store(ix, "a")
+    r = ix.reserve(["b"])
+    ix.spill_failed(r.spills[0])
+    ix.abort(r.entries)
+    assert state_of(ix, "a") is State.READY and ix._entries["a"].tier == HOST and free(ix) == (0, 2)
+    ix.check()
+
+
+def test_the_heir_waits_for_the_last_reader_of_its_host_slot():
+    ix = two_tier(host=1)
+    store(ix, "a")
+    pins = ix.pin(["a"])  # a load reads a's host copy...
+    with pytest.raises(kvoffload.CapacityError):  # ...so a is not evictable
+        ix.reserve(["b"])
+    ix.unpin(pins)
+    r = ix.reserve(["b"])
+    pins = ix.pin(["a"])  # a SPILLING entry is loadable from its host slot
+    assert pins[0].tier == HOST
+    ix.spill_done(r.spills[0])
+    unread = threading.Event()
+    ix.when_unread(r.spills[0].host_slot, unread.set)
+    assert not unread.is_set()
+    ix.unpin(pins)
+    assert unread.is_set()
+    ix.publish(r.entries)
+    ix.check()
+
+
+def test_evicted_entries_are_counted_and_pinned_ones_never_evicted():
+    ix = BlockIndex(2, 0)
+    store(ix, "a", "b")
+    pins = ix.pin(["a"])
+    store(ix, "c")  # evicts b, the only unpinned one
+    assert ix.lookup(["a"]) == 1 and "b" not in ix and ix.evicted == 1
+    ix.unpin(pins)
+    ix.check()
+
+
+def test_lookup_never_runs_the_callers_iterable_under_the_lock():
+    ix = two_tier()
+    store(ix, "a", "b")
+    # The generator calls back into the index while lookup consumes it: a lock held would deadlock.
+    assert ix.lookup(k for k in ["a", "b", "c"] if k in ix) == 2
+
+
+# -- the model: random interleavings of the tiers' protocol -------------------------------------
+
+HOST_SLOTS, DISK_SLOTS = 4, 6
+KEYS = [f"k{i}" for i in range(14)]
+STEPS = int(os.environ.get("KVOFFLOAD_INDEX_STEPS", "200000"))
+FIGURES: Counter[str] = Counter()
+
+
+class Blocked:
+    """Yielded by a process that waits for a callback (a heir waiting for readers)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def wake(self) -> None:
+        self.ready = True
+
+
+@dataclass
+class World:
+    ix: BlockIndex
+    rng: random.Random
+    mem: tuple[list[object], list[object]] = field(default_factory=lambda: ([None] * HOST_SLOTS, [None] * DISK_SLOTS))
+    tag: dict[Hashable, object] = field(default_factory=dict)
+    """Key -> tag of its published bytes, for keys the model knows as visible."""
+    version: int = 0
+    evicted_seen: int = 0
+    trace: list[str] = field(default_factory=list)
+
+    def log(self, line: str) -> None:
+        self.trace.append(line)
+        del self.trace[:-60]
+
+
+def store_process(w: World, keys: list[Hashable]) -> Generator[object, None, None]:
+    """A store, step by step, as tiers/storage.py runs it; cancellable at every yield."""
+    r = w.ix.reserve(keys)
+    published = 0
+    w.version += 1
+    tags = {e.key: (e.key, w.version) for e in r.entries}
+    try:
+        for s in r.spills:
+            yield "spill"
+            FIGURES["spill writes"] += 1
+            victim_tag = w.tag.get(s.victim.key) if s.victim.state is State.SPILLING else None
+            if victim_tag is not None:  # nobody overwrote the victim's host copy while it was written out
+                assert w.mem[HOST][s.host_slot] == victim_tag, (s.victim.key, w.mem[HOST][s.host_slot], victim_tag)
+            if w.rng.random() < 0.05:
+                FIGURES["spill failures"] += 1
+                raise IOError("injected")
+            w.mem[DISK][s.disk_slot] = w.mem[HOST][s.host_slot]
+            w.ix.spill_done(s)
+        for s in r.spills:
+            b = Blocked()
+            w.ix.when_unread(s.host_slot, b.wake)
+            if not b.ready:
+                FIGURES["heir waits"] += 1
+            while not b.ready:
+                yield b
+        for e in r.entries:
+            yield "chunk"
+            w.mem[e.tier][e.slot] = tags[e.key]
+            w.ix.publish([e])
+            published += 1
+            if e.state is State.READY:
+                w.tag[e.key] = tags[e.key]
+    finally:
+        for s in r.spills:
+            w.ix.spill_failed(s)
+        w.ix.abort(r.entries[published:])
+
+
+def load_process(w: World, keys: list[Hashable]) -> Generator[object, None, None]:
+    """A load: pin, read each pinned slot at a later step and check it still holds the pinned bytes."""
+    pins: list[Pin] = w.ix.pin(keys)
+    expected = [w.tag[p.entry.key] for p in pins]
+    try:
+        for p, want in zip(pins, expected):
+            yield "read"
+            got = w.mem[p.tier][p.slot]
+            assert got == want, f"load of {p.entry.key!r} read {got!r} from {('host', 'disk')[p.tier]} slot {p.slot}, expected {want!r}"
+            FIGURES["reads checked"] += 1
+    finally:
+        w.ix.unpin(pins)
+
+
+def check_world(w: World) -> None:
+    w.ix.check()
+    visible = {k for k in KEYS if k in w.ix}
+    assert visible <= set(w.tag), f"keys visible that were never published: {visible - set(w.tag)}"
+    for k in set(w.tag) - visible:  # evicted (counted below)
+        del w.tag[k]
+        w.evicted_seen += 1
+    assert w.evicted_seen == w.ix.evicted, (w.evicted_seen, w.ix.evicted)
+    for k in visible:
+        e = w.ix._entries[k]
+        assert w.mem[e.tier][e.slot] == w.tag[k], f"{k!r} in {('host', 'disk')[e.tier]} slot {e.slot} holds {w.mem[e.tier][e.slot]!r}"
+    c = w.ix.counts()
+    assert c["host_free"] + c["host_ready"] <= HOST_SLOTS and c["disk_free"] + c["disk_ready"] <= DISK_SLOTS, c
+
+
+def run_interleaving(seed: int, steps: int) -> int:
+    rng = random.Random(seed)
+    w = World(BlockIndex(HOST_SLOTS, DISK_SLOTS), rng)
+    procs: list[tuple[str, Generator[object, None, None], object]] = []
+    done = 0
+    while done < steps:
+        op = rng.random()
+        try:
+            if op < 0.12 and len(procs) < 8:
+                keys = rng.sample(KEYS, rng.randint(1, 3))
+                w.log(f"store {keys}")
+                g = store_process(w, keys)
+                at = next(g, None)
+                if at is not None:
+                    procs.append(("store", g, at))
+            elif op < 0.24 and len(procs) < 8:
+                visible = [k for k in KEYS if k in w.ix]
+                if visible:
+                    keys = rng.sample(visible, rng.randint(1, min(3, len(visible))))
+                    w.log(f"load {keys}")
+                    g = load_process(w, keys)
+                    procs.append(("load", g, next(g)))
+            elif op < 0.32:
+                keys = rng.sample(KEYS, rng.randint(1, 2))
+                n = w.ix.discard(keys)
+                for k in keys:
+                    w.tag.pop(k, None)
+                FIGURES["discards"] += n
+                w.log(f"discard {keys} -> {n}")
+            elif op < 0.38 and procs:
+                kind, g, _ = procs.pop(rng.randrange(len(procs)))
+                g.close()  # cancellation at whatever step it is
+                FIGURES[f"{kind}s cancelled"] += 1
+                w.log(f"cancel a {kind}")
+            elif procs:
+                i = rng.randrange(len(procs))
+                kind, g, at = procs[i]
+                if isinstance(at, Blocked) and not at.ready:
+                    continue
+                try:
+                    procs[i] = (kind, g, next(g))
+                except StopIteration:
+                    procs.pop(i)
+                    FIGURES[f"{kind}s completed"] += 1
+                w.log(f"step a {kind} past {at}")
+        except kvoffload.CapacityError:
+            FIGURES["capacity refusals"] += 1
+        except IOError:
+            procs = [p for p in procs if p[1].gi_frame is not None]
+        except AssertionError:
+            print("\n".join(w.trace))
+            raise
+        try:
+            check_world(w)
+        except AssertionError:
+            print(f"seed {seed}, step {done}; last operations:\n" + "\n".join(w.trace))
+            raise
+        done += 1
+    for _, g, _ in procs:
+        g.close()
+    check_world(w)
+    c = w.ix.counts()
+    assert c["host_free"] + c["host_ready"] == HOST_SLOTS and c["disk_free"] + c["disk_ready"] == DISK_SLOTS, c
+    FIGURES["evictions"] += w.ix.evicted
+    return done
+
+
+def test_interleavings_keep_every_slot_owned_once():
+    started = time.perf_counter()
+    total, seed = 0, 0
+    while total < STEPS:
+        total += run_interleaving(seed, 2000)
+        seed += 1
+    f = FIGURES
+    report_figure(
+        f"test_slot_states: {total} interleaved steps in {seed} runs ({time.perf_counter() - started:.1f} s): "
+        f"{f['stores completed']} stores and {f['loads completed']} loads completed, "
+        f"{f['stores cancelled']} stores and {f['loads cancelled']} loads cancelled mid-way, {f['discards']} keys discarded, "
+        f"{f['spill writes']} spill writes ({f['spill failures']} failed), {f['heir waits']} heirs waited for a reader, "
+        f"{f['evictions']} evictions, {f['reads checked']} reads checked, {f['capacity refusals']} capacity refusals"
+    )
+
+
+# -- the same on a real offloader ---------------------------------------------------------------
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait until ``condition()`` holds (a state change on a worker thread with no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("then", ["store ends", "store cancelled"])
+async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, then):
+    # A store spills victim b to disk; a load pins b's host copy; b is discarded while its spill runs.
+    # Once the load ends, b's old host slot belongs to the store's new key: it must not go back to the
+    # free list (a later store would overwrite it, and the new key would load another key's bytes).
+    caches = random_caches(16, seed=3)
+    orig = {n: t.clone() for n, t in caches.items()}
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    off = kvoffload.Offloader(caches, host_blocks=2, disk_path=str(tmp_path / "kv"), disk_blocks=4, chunk_bytes=slot).start()
+    try:
+        await off.store({"a": 0})
+        await off.store({"b": 1})
+        await off.load({"a": 10})  # a becomes the most recently used: b is the victim of the next store
+        io, calls = disk_io(off), copy_calls(off)
+        assert io is not None
+        write_entered, write_go = threading.Event(), threading.Event()
+        real_w = io.pwritev
+
+        def gated_write(fd, bufs, offset):
+            write_entered.set()
+            assert write_go.wait(20)
+            return real_w(fd, bufs, offset)
+
+        read_entered, read_go = threading.Event(), threading.Event()
+        real_d = calls.to_device
+
+        def gated_load(mover, host, rows, block_ids):
+            read_entered.set()
+            assert read_go.wait(20)
+            return real_d(mover, host, rows, block_ids)
+
+        io.pwritev = gated_write
+        calls.to_device = gated_load
+        st = off.store({"n": 2})  # spills b, then writes n into b's host slot
+        await asyncio.to_thread(write_entered.wait, 20)
+        ld = off.load({"b": 11})  # pins b's host copy while it is being spilled
+        await asyncio.to_thread(read_entered.wait, 20)
+        assert off.discard(["b"]) == 1
+        io.pwritev = real_w
+        write_go.set()
+        await until(lambda: off.stats().spilled == 1)  # b's bytes are on disk while the load still reads its host copy
+        if then == "store cancelled":
+            st.cancel()
+        read_go.set()
+        calls.to_device = real_d
+        await ld
+        assert same_bytes(caches["k0"][11], orig["k0"][1])  # the load read b's bytes, untouched
+        if then == "store ends":
+            await st
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                await st
+        check_index(off)
+        s = off.stats()
+        assert s.host_free + s.host_ready <= s.host_slots and s.pending == s.pinned == s.spilling == 0, s
+        # Fill the host tier with new keys, then every visible key must load its own bytes.
+        await off.store({"x": 3})
+        await off.store({"y": 4})
+        check_index(off)
+        stored = {"a": 0, "n": 2, "x": 3, "y": 4}
+        visible = {k: b for k, b in stored.items() if k in off}
+        assert "b" not in off and {"x", "y"} <= set(visible)
+        if then == "store ends":
+            assert "n" in visible
+        await off.load({k: 12 + i for i, k in enumerate(visible)})
+        for i, (k, b) in enumerate(visible.items()):
+            for n in caches:
+                assert same_bytes(caches[n][12 + i], orig[n][b]), (k, n)
+    finally:
+        off.close()
+
