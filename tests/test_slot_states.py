@@ -424,3 +424,41 @@ async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, t
     finally:
         off.close()
 
+
+
+def test_lookup_of_a_generator_that_asks_the_offloader_does_not_deadlock(caches):
+    with kvoffload.Offloader(caches, host_blocks=8) as off:
+        off.store({"a": 0, "b": 1}).result(10)
+        keys = ["a", "b", "c"]
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(off.lookup(k for k in keys if k in off)), daemon=True)
+        t.start()
+        t.join(10)
+        assert result == [2], "lookup deadlocked on its own lock"
+
+
+@pytest.mark.asyncio
+async def test_a_key_discarded_while_its_store_runs_is_counted_never_published_and_the_store_succeeds(caches):
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    with kvoffload.Offloader(caches, host_blocks=8, chunk_bytes=slot) as off:
+        calls = copy_calls(off)
+        entered, go = threading.Event(), threading.Event()
+        real = calls.to_host
+
+        def gated(mover, block_ids, host, rows):
+            entered.set()
+            assert go.wait(20)
+            return real(mover, block_ids, host, rows)
+
+        calls.to_host = gated
+        t = off.store({"a": 0, "b": 1})
+        await asyncio.to_thread(entered.wait, 20)
+        assert off.discard(["b"]) == 1  # pending: counted
+        calls.to_host = real
+        go.set()
+        result = await t
+        assert result.keys == ("a", "b")
+        assert "a" in off and "b" not in off
+        check_index(off)
+        s = off.stats()
+        assert s.host_free == 7 and s.host_ready == 1 and s.pending == 0, s
