@@ -172,7 +172,7 @@ def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
         ceil_both = _best_gbps(2 * nbytes, both, dev)
     else:
         ceil_both = None
-    dbuf = d1 = d2 = None  # noqa: F841 - free device memory before the cache is built
+    del dbuf, d1, d2  # free device memory before the cache is built
     hb.close()
 
     caches = lay.cache(2 * n, dev)
@@ -431,8 +431,8 @@ def latency_scenarios(rep: Report, dev: torch.device) -> None:
         rep.row("one-block store, call to resume p50", "us", lat["p50_us"], floor["p50_us"], None, note="CPU tensors")
         return
     for kind in ("poll", "thread"):
-        lat, cpu = bridge_latency(kind)
-        b = _lat(lat)
+        samples, cpu = bridge_latency(kind)
+        b = _lat(samples)
         b["cpu_us_per_op"] = cpu * 1e6
         b["idle_cpu_fraction"] = idle_cpu_while_pending(kind)
         rep.extra[f"bridge_{kind}"] = b

@@ -8,6 +8,7 @@ key lives in which slot is the index's business, not the tier's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -17,8 +18,10 @@ from ..layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
 
+T = TypeVar("T")
 
-def chunked(items: Sequence, size: int) -> list[Sequence]:
+
+def chunked(items: Sequence[T], size: int) -> list[Sequence[T]]:
     """``items`` cut into consecutive pieces of at most ``size``."""
     return [items[i : i + size] for i in range(0, len(items), size)]
 
