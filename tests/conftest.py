@@ -1,13 +1,19 @@
-"""Shared fixtures: random caches in several dtypes and piece sizes, and a factory of offloaders."""
+"""Shared fixtures: random caches in several dtypes and piece sizes, a factory of offloaders, and
+``faults`` (gates and faults on copies and disk IO through the kvoffload._testing seams)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import os
 import threading
+import time
 
 import pytest
 import torch
 
 import kvoffload
+from kvoffload._testing import copy_calls, disk_io
 
 
 def random_caches(num_blocks: int, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
@@ -60,7 +66,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # -- reliability figures -------------------------------------------------------------------
-# The reliability tests (test_model, test_faults, test_storm, test_shutdown) record how much
+# The reliability tests (test_model, test_faults, test_stress, test_shutdown) record how much
 # they did (operations, faults injected, transfers cancelled); pytest prints the lines at the end.
 
 RELIABILITY_FIGURES: list[str] = []
@@ -99,3 +105,238 @@ async def check_every_visible_key(off, caches, orig, keys_to_blocks) -> list:
         for n in caches:
             assert same_bytes(caches[n][i], orig[n][keys_to_blocks[k]]), (k, n)
     return visible
+
+
+# -- fault injection and gated copies ------------------------------------------------------
+# Every test that intercepts a copy or a disk IO call goes through the ``faults`` fixture, built on
+# the seams of kvoffload._testing: ``copy_calls(off)`` (to_host, to_device: called on the worker
+# loops) and ``disk_io(off)`` (pwritev, preadv: called on the IO threads). Both are looked up at
+# every call, so replacing an attribute intercepts every later call.
+
+
+PATHS = ("to_host", "to_device", "pwritev", "preadv")
+HANG_S = 10.0  # a gate held longer than this fails the call (and so the test): it only guards against hangs
+
+
+def _target(off: kvoffload.Offloader, path: str):
+    if path in ("to_host", "to_device"):
+        return copy_calls(off)
+    if path in ("pwritev", "preadv"):
+        io = disk_io(off)
+        assert io is not None, f"{path}: this offloader has no disk tier"
+        return io
+    raise ValueError(f"unknown path {path!r}; one of {PATHS}")
+
+
+class Intercept:
+    """One intercepted path of one offloader; counts the calls that reached it and got through."""
+
+    def __init__(self, obj, path: str) -> None:
+        self.path = path
+        self.cond = threading.Condition()
+        self.entered = 0  # calls that reached the intercept
+        self.passed = 0  # calls that returned or raised
+        self.calls: list[tuple] = []  # the arguments of each call, in order
+        self._obj = obj
+        self._real = getattr(obj, path)
+        setattr(obj, path, self._call)
+
+    @property
+    def in_flight(self) -> int:
+        """Calls that reached the intercept and have not returned yet."""
+        with self.cond:
+            return self.entered - self.passed
+
+    def _call(self, *args):
+        with self.cond:
+            self.entered += 1
+            self.calls.append(args)
+            n = self.entered
+            self.cond.notify_all()
+        try:
+            return self._handle(n, args)
+        finally:
+            with self.cond:
+                self.passed += 1
+                self.cond.notify_all()
+
+    def _handle(self, n: int, args: tuple):
+        return self._real(*args)
+
+    def _wait(self, what: str, pred, timeout: float) -> None:
+        with self.cond:
+            assert self.cond.wait_for(pred, timeout), f"{self.path}: {what} within {timeout} s (entered {self.entered}, passed {self.passed})"
+
+    def wait_entered(self, timeout: float = HANG_S, count: int = 1) -> None:
+        """Block until ``count`` calls in all have reached the intercept (fails the test after ``timeout``)."""
+        self._wait(f"fewer than {count} call(s) arrived", lambda: self.entered >= count, timeout)
+
+    def wait_passed(self, timeout: float = HANG_S, count: int = 1) -> None:
+        """Block until ``count`` calls in all have got through (returned or raised)."""
+        self._wait(f"fewer than {count} call(s) got through", lambda: self.passed >= count, timeout)
+
+    async def entered_async(self, count: int = 1, timeout: float = HANG_S) -> None:
+        await asyncio.to_thread(self.wait_entered, timeout, count)
+
+    async def passed_async(self, count: int = 1, timeout: float = HANG_S) -> None:
+        await asyncio.to_thread(self.wait_passed, timeout, count)
+
+    def remove(self) -> None:
+        """Put the real call back (idempotent)."""
+        if getattr(self._obj, self.path) == self._call:
+            setattr(self._obj, self.path, self._real)
+
+
+class Gate(Intercept):
+    """Holds every call on its path until the test lets it through (``allow(n)``, ``open()``)."""
+
+    def __init__(self, obj, path: str) -> None:
+        super().__init__(obj, path)
+        self._permits = 0
+        self._open = False
+
+    def allow(self, n: int = 1) -> None:
+        """Let ``n`` more calls through (ones waiting now first)."""
+        with self.cond:
+            self._permits += n
+            self.cond.notify_all()
+
+    def open(self) -> None:
+        """Let every call through from now on."""
+        with self.cond:
+            self._open = True
+            self.cond.notify_all()
+
+    def _handle(self, n: int, args: tuple):
+        with self.cond:
+            if not self.cond.wait_for(lambda: self._open or self._permits > 0, HANG_S):
+                raise AssertionError(f"{self.path}: the test never let call {n} through the gate")
+            if not self._open:
+                self._permits -= 1
+        return self._real(*args)
+
+    def remove(self) -> None:
+        self.open()
+        super().remove()
+
+
+class Fault(Intercept):
+    """Breaks its path from call ``from_call`` on: raises ``what`` (an exception or its class), or
+    returns ``what(real, *args)`` (a short write, a slow call, a spy). ``active = False`` heals it."""
+
+    def __init__(self, obj, path: str, what, from_call: int = 1) -> None:
+        super().__init__(obj, path)
+        self.what = what
+        self.from_call = from_call
+        self.active = True
+        self.injected = 0  # calls that got the fault
+
+    def _handle(self, n: int, args: tuple):
+        with self.cond:
+            due = self.active and n >= self.from_call
+            if due:
+                self.injected += 1
+        if not due:
+            return self._real(*args)
+        what = self.what
+        if isinstance(what, BaseException) or (inspect.isclass(what) and issubclass(what, BaseException)):
+            raise what
+        return what(self._real, *args)
+
+
+class Faults:
+    """Gates and faults on an offloader's copies and disk IO; ``restore()`` undoes them all."""
+
+    def __init__(self) -> None:
+        self.installed: list[Intercept] = []
+
+    def _add(self, icpt: Intercept) -> Intercept:
+        self.installed.append(icpt)
+        return icpt
+
+    def gate(self, off: kvoffload.Offloader, path: str) -> Gate:
+        """Hold every call on ``path`` ("to_host", "to_device", "pwritev", "preadv") until allowed."""
+        return self._add(Gate(_target(off, path), path))
+
+    def fail(self, off: kvoffload.Offloader, path: str, what, from_call: int = 1) -> Fault:
+        """From the ``from_call``-th call on (1: every call), raise ``what`` (an exception or its class)
+        or, if ``what`` is any other callable, return ``what(real, *args)`` instead of the real call."""
+        return self._add(Fault(_target(off, path), path, what, from_call))
+
+    def spy(self, off: kvoffload.Offloader, path: str) -> Intercept:
+        """Count and record the calls on ``path``, changing nothing."""
+        return self._add(Intercept(_target(off, path), path))
+
+    def restore(self) -> None:
+        """Open every gate (no worker thread stays blocked) and put every real call back."""
+        for icpt in self.installed:
+            if isinstance(icpt, Gate):
+                icpt.open()
+        for icpt in reversed(self.installed):
+            icpt.remove()
+        self.installed.clear()
+
+
+@pytest.fixture
+def faults():
+    """Gate or break an offloader's copies and disk IO; everything is restored (gates opened) at teardown.
+
+    ``faults.gate(off, path) -> Gate``: ``wait_entered(timeout, count)``, ``allow(n)``, ``open()``,
+    ``entered``/``passed``/``in_flight``/``calls``, ``remove()``.
+    ``faults.fail(off, path, exc_or_callable, from_call=1) -> Fault``: ``injected``, ``active``, ``remove()``.
+    ``faults.spy(off, path)``; ``faults.restore()``. Paths: "to_host", "to_device", "pwritev", "preadv".
+    """
+    f = Faults()
+    yield f
+    f.restore()
+
+
+class NotingCancel:
+    """Awaits ``aw`` exactly as ``await aw`` does, and calls ``on_cancel()`` right after the awaiting
+    task's first cancellation has been delivered into it (for a Transfer: once it was told to stop).
+
+    Lets a test react to a cancellation that asyncio itself makes (a timeout firing, ``task.cancel()``)
+    at the moment it happens, instead of guessing with a timer.
+    """
+
+    def __init__(self, aw, on_cancel) -> None:
+        self.aw = aw
+        self.on_cancel = on_cancel
+
+    def __await__(self):
+        it = self.aw.__await__()
+        to_send, to_throw, noted = None, None, False
+        while True:
+            try:
+                if to_throw is None:
+                    out = it.send(to_send)
+                else:
+                    exc, to_throw = to_throw, None
+                    out = it.throw(exc)
+                    if isinstance(exc, asyncio.CancelledError) and not noted:
+                        noted = True
+                        self.on_cancel()
+            except StopIteration as stop:
+                return stop.value
+            try:
+                to_send = yield out
+            except BaseException as e:  # noqa: BLE001 - forwarded into the awaitable
+                to_throw = e
+
+
+def spin_until(pred, timeout: float = HANG_S, what: str = "condition") -> None:
+    """Wait for library state that no event announces (without sleeping: yields the GIL only);
+    the timeout only fails the test."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout} s"
+        time.sleep(0)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
