@@ -117,47 +117,32 @@ def test_done_callback_and_result_timeout(caches):
         assert t.result(0).keys == ("a",)
 
 
-def test_result_times_out_while_running(caches, monkeypatch):
-    from kvoffload._core.movers import CpuMover
-
-    release = threading.Event()
-    real = CpuMover.to_host
-
-    def slow(self, *a):
-        release.wait(10)
-        return real(self, *a)
-
-    monkeypatch.setattr(CpuMover, "to_host", slow)
+def test_result_times_out_while_running(caches, faults):
     with kvoffload.Offloader(caches, host_blocks=16) as off:
+        gate = faults.gate(off, "to_host")
         t = off.store({"a": 1})
+        gate.wait_entered()
         with pytest.raises(TimeoutError):
             t.result(timeout=0.05)
         assert not t.done()
-        release.set()
+        gate.open()
         assert t.result(10).keys == ("a",)
 
 
 @pytest.mark.asyncio
-async def test_copy_error_fails_transfer_and_loses_nothing(monkeypatch):
-    from kvoffload._core.movers import CpuMover
-
+async def test_copy_error_fails_transfer_and_loses_nothing(faults):
     caches = random_caches(32, seed=4)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=16) as off:
         await off.store({i: i for i in range(8)})
-        real = CpuMover.to_host
-
-        def broken(self, *a):
-            raise OSError(5, "injected copy failure")
-
-        monkeypatch.setattr(CpuMover, "to_host", broken)
+        broken = faults.fail(off, "to_host", OSError(5, "injected copy failure"))
         t = off.store({i: i for i in range(8, 12)})
         with pytest.raises(kvoffload.TransferError) as ei:
             await t
         assert isinstance(ei.value.__cause__, OSError)
         assert isinstance(t.exception(), kvoffload.TransferError)
         assert off.lookup(range(12)) == 8 and off.stats().pending == 0 and off.stats().failed == 1
-        monkeypatch.setattr(CpuMover, "to_host", real)
+        broken.remove()
         await off.store({i: i for i in range(8, 12)})  # the service goes on
         for t_ in caches.values():
             t_.zero_()
