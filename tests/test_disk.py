@@ -13,7 +13,7 @@ import pytest
 
 import kvoffload
 from conftest import random_caches, same_bytes
-from kvoffload._testing import IoCalls, disk_io, uses_o_direct
+from kvoffload._testing import uses_o_direct
 
 
 def snapshot(caches):
@@ -58,19 +58,13 @@ def torch_perm(n, seed):
 
 
 @pytest.mark.asyncio
-async def test_o_direct_is_used_and_slots_are_aligned(tmp_path):
+async def test_o_direct_is_used_and_slots_are_aligned(tmp_path, faults):
     caches = random_caches(16)
-    calls = []
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=16) as off:
         assert uses_o_direct(off)  # ext4/xfs here; tmpfs would fall back with a warning
-        real = disk_io(off).pwritev
-
-        def spy(fd, bufs, offset):
-            calls.append((offset, [memoryview(b).nbytes for b in bufs], [_addr(b) for b in bufs]))
-            return real(fd, bufs, offset)
-
-        disk_io(off).pwritev = spy
+        spy = faults.spy(off, "pwritev")
         await off.store({i: i for i in range(16)})
+        calls = [(offset, [memoryview(b).nbytes for b in bufs], [_addr(b) for b in bufs]) for _fd, bufs, offset in spy.calls]
     assert calls
     for offset, sizes, addrs in calls:
         assert offset % 4096 == 0 and all(s % 4096 == 0 for s in sizes) and all(a % 4096 == 0 for a in addrs)
@@ -110,30 +104,21 @@ async def test_disk_full_drops_least_recently_used(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_lookup_and_load_while_a_key_is_spilling(tmp_path):
+async def test_lookup_and_load_while_a_key_is_spilling(tmp_path, faults):
     caches = random_caches(64, seed=23)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=2, disk_path=tmp_path / "kv", disk_blocks=8) as off:
         await off.store({"a": 1, "b": 2})
-        release = threading.Event()
-        entered = threading.Event()
-        real = disk_io(off).pwritev
-
-        def slow(fd, bufs, offset):
-            entered.set()
-            assert release.wait(10)
-            return real(fd, bufs, offset)
-
-        disk_io(off).pwritev = slow
+        gate = faults.gate(off, "pwritev")
         t = off.store({"c": 3})  # spills "a"
-        assert await asyncio.to_thread(entered.wait, 10)
+        await gate.entered_async()
         assert off.lookup(["a", "b"]) == 2 and off.stats().spilling == 1
         for x in caches.values():
             x[10].zero_()
         await off.load({"a": 10})  # read from host memory while it moves
         for n in caches:
             assert same_bytes(caches[n][10], orig[n][1])
-        release.set()
+        gate.open()
         await t
         assert off.stats().disk_ready == 1 and off.lookup(["a", "b", "c"]) == 3
         await assert_keys_load(off, caches, orig, {"a": 1, "b": 2, "c": 3})
@@ -207,33 +192,29 @@ def test_page_cache_mode(tmp_path):
 # -- faults --------------------------------------------------------------------------------
 
 
-def short_write(fd, bufs, offset):
-    return os.pwritev(fd, bufs, offset) - 4096
+def short_write(real, fd, bufs, offset):
+    return real(fd, bufs, offset) - 4096
 
 
-def enospc(fd, bufs, offset):
-    raise OSError(errno.ENOSPC, "No space left on device")
+def short_read(real, fd, bufs, offset):
+    return real(fd, bufs, offset) - 1
 
 
-def eio_read(fd, bufs, offset):
-    raise OSError(errno.EIO, "Input/output error")
-
-
-def short_read(fd, bufs, offset):
-    return os.preadv(fd, bufs, offset) - 1
+enospc = OSError(errno.ENOSPC, "No space left on device")
+eio = OSError(errno.EIO, "Input/output error")
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fault", [short_write, enospc], ids=["short-write", "ENOSPC"])
 @pytest.mark.parametrize("host_blocks", [0, 4], ids=["disk-store", "spill"])
-async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, fault, host_blocks):
+async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, faults, fault, host_blocks):
     caches = random_caches(64, seed=31)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=32, chunk_bytes=2 * 4096) as off:
         first = {("ok", i): i for i in range(4)}
         await off.store(first)
         before = off.stats()
-        disk_io(off).pwritev = fault
+        broken = faults.fail(off, "pwritev", fault)
         with pytest.raises(kvoffload.TransferError) as ei:
             await off.store({("bad", i): 10 + i for i in range(4)})
         assert isinstance(ei.value.__cause__, OSError)
@@ -242,7 +223,7 @@ async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, fault, hos
         assert s.pending == 0 and s.failed == 1 and s.spilling == 0
         assert (s.host_free, s.disk_free) == (before.host_free, before.disk_free)
         await assert_keys_load(off, caches, orig, first)  # the old entries are intact
-        disk_io(off).pwritev = IoCalls().pwritev
+        broken.remove()
         for n, t in caches.items():
             t.copy_(orig[n])
         await off.store({("bad", i): 10 + i for i in range(4)})  # and the service goes on
@@ -250,30 +231,30 @@ async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, fault, hos
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("fault", [eio_read, short_read], ids=["EIO", "short-read"])
-async def test_read_faults_fail_the_load_and_keep_the_entries(tmp_path, fault):
+@pytest.mark.parametrize("fault", [eio, short_read], ids=["EIO", "short-read"])
+async def test_read_faults_fail_the_load_and_keep_the_entries(tmp_path, faults, fault):
     caches = random_caches(64, seed=32)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=32) as off:
         stored = {i: i for i in range(8)}
         await off.store(stored)
-        disk_io(off).preadv = fault
+        broken = faults.fail(off, "preadv", fault)
         with pytest.raises(kvoffload.TransferError) as ei:
             await off.load({i: 20 + i for i in range(8)})
         assert isinstance(ei.value.__cause__, OSError)
         assert off.stats().pinned == 0 and off.lookup(list(stored)) == 8
-        disk_io(off).preadv = IoCalls().preadv
+        broken.remove()
         await assert_keys_load(off, caches, orig, stored)
 
 
 @pytest.mark.asyncio
-async def test_spill_failure_keeps_victims_in_host_memory(tmp_path):
+async def test_spill_failure_keeps_victims_in_host_memory(tmp_path, faults):
     caches = random_caches(64, seed=33)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=4, disk_path=tmp_path / "kv", disk_blocks=16) as off:
         first = {i: i for i in range(4)}
         await off.store(first)
-        disk_io(off).pwritev = enospc
+        faults.fail(off, "pwritev", enospc)
         with pytest.raises(kvoffload.TransferError):
             await off.store({10: 10, 11: 11})
         s = off.stats()
@@ -286,34 +267,25 @@ async def test_spill_failure_keeps_victims_in_host_memory(tmp_path):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("host_blocks", [0, 2], ids=["disk-store", "spill"])
-async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_path, host_blocks):
+async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_path, faults, host_blocks):
     caches = random_caches(64, seed=34)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=32, chunk_bytes=4096) as off:
         if host_blocks:
             await off.store({("old", i): i for i in range(2)})
         before = off.stats()
-        entered, release, finished = threading.Event(), threading.Event(), threading.Event()
-        real = disk_io(off).pwritev
-
-        def gated(fd, bufs, offset):
-            entered.set()
-            assert release.wait(10)
-            n = real(fd, bufs, offset)
-            finished.set()
-            return n
-
-        disk_io(off).pwritev = gated
+        gate = faults.gate(off, "pwritev")
         t = off.store({("new", i): 40 + i for i in range(2)})
-        assert await asyncio.to_thread(entered.wait, 10)
+        io_running_at_end = []
+        t.add_done_callback(lambda _: io_running_at_end.append(gate.in_flight))
+        await gate.entered_async()
         t.cancel()
-        await asyncio.sleep(0.05)
         assert not t.done(), "cancel completed while a pwritev was still running"
-        release.set()
+        gate.open()
         with pytest.raises(asyncio.CancelledError):
             await t
-        assert finished.is_set()
-        disk_io(off).pwritev = real
+        assert gate.passed >= 1 and io_running_at_end == [0], "the store ended while its pwritev was still running"
+        gate.remove()
         s = off.stats()
         assert s.pending == 0 and s.spilling == 0 and s.in_flight == 0
         assert off.lookup([("new", 0), ("new", 1)]) == 0 or host_blocks == 0
@@ -333,17 +305,18 @@ async def test_caller_loop_stays_responsive_during_a_large_disk_transfer(tmp_pat
 
     caches = {"kv": torch.randint(0, 255, (256, 256 * 1024), dtype=torch.uint8)}  # 64 MiB
     lags: list[float] = []
-    stop = asyncio.Event()
+    stop, beating = asyncio.Event(), asyncio.Event()
 
     async def heartbeat():
         while not stop.is_set():
+            beating.set()
             t0 = time.perf_counter()
             await asyncio.sleep(0.005)
             lags.append(time.perf_counter() - t0 - 0.005)
 
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=256) as off:
         hb = asyncio.create_task(heartbeat())
-        await asyncio.sleep(0.02)
+        await asyncio.wait_for(beating.wait(), 10)
         t0 = time.perf_counter()
         await off.store({i: i for i in range(256)})
         await off.load({i: 255 - i for i in range(256)})
