@@ -11,6 +11,7 @@ cancellation did not always reach the task (CPython gh-105836).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -18,7 +19,12 @@ from typing import Any
 from .transfer import Transfer, TransferResult
 from .wakeup import Mailbox
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "EndHook"]
+
+log = logging.getLogger("kvoffload")
+
+EndHook = Callable[[Transfer, TransferResult | None, BaseException | None, bool], Any]
+"""``on_end(transfer, result, exc, cancelled)``: runs on the loop just before ``transfer`` is finished."""
 
 
 class LoopThread:
@@ -31,6 +37,7 @@ class LoopThread:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_thread_start = on_thread_start
         self._ready = threading.Event()
+        self._stop_requested = False
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -50,7 +57,12 @@ class LoopThread:
             self._ready.set()
             return
         self._ready.set()
-        self.loop.run_forever()
+        while True:
+            try:
+                self.loop.run_forever()
+                return  # stopped by stop()
+            except BaseException:  # a SystemExit or KeyboardInterrupt out of a callback: keep serving
+                log.exception("%s: a callback raised out of the event loop", self.name)
 
     def in_thread(self) -> bool:
         """True when called from this loop's own thread."""
@@ -61,18 +73,21 @@ class LoopThread:
         transfer: Transfer,
         make_coro: Callable[[], Coroutine[Any, Any, TransferResult]],
         cleanup: Callable[[], Any],
+        on_end: EndHook | None = None,
     ) -> None:
         """Run ``make_coro()`` as a task on this loop and report its end to ``transfer``.
 
         ``cleanup`` runs on the loop after the task ends however it ends, also
         when it was cancelled before its first step (when the coroutine's own
-        ``finally`` never runs); it must be idempotent.
+        ``finally`` never runs); it must be idempotent. Then ``on_end`` (if
+        given) sees the outcome, and only then is ``transfer`` finished, so
+        whatever ``on_end`` records is visible to every waiter that wakes.
         """
 
         def create() -> None:
             task = self.loop.create_task(make_coro())
             self._tasks.add(task)
-            task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup))
+            task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup, on_end))
             transfer._set_canceller(lambda: self._cancel(task))
 
         self.mailbox.post(create)
@@ -86,24 +101,37 @@ class LoopThread:
         else:
             self.mailbox.post(task.cancel)
 
-    def _task_done(self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any]) -> None:
+    def _task_done(
+        self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any], on_end: EndHook | None
+    ) -> None:
         self._tasks.discard(task)
+        # Nothing raised here may escape: a SystemExit would stop this loop for good.
         try:
             cleanup()
-        finally:
-            if task.cancelled():
-                transfer._finish(cancelled=True)
-            elif task.exception() is not None:
-                transfer._finish(exc=task.exception())
-            else:
-                transfer._finish(result=task.result())
+        except BaseException:
+            log.exception("%s: transfer cleanup raised", self.name)
+        cancelled = task.cancelled()
+        exc = None if cancelled else task.exception()
+        result = None if cancelled or exc is not None else task.result()
+        if on_end is not None:
+            try:
+                on_end(transfer, result, exc, cancelled)
+            except BaseException:
+                log.exception("%s: transfer end hook raised", self.name)
+        transfer._finish(result=result, exc=exc, cancelled=cancelled)
 
     def stop(self, timeout: float) -> bool:
         """Cancel every task, wait for them to end, stop the loop and join the thread.
 
-        Returns False if the thread did not end within ``timeout`` seconds.
+        Returns False if the thread did not end within ``timeout`` seconds; call
+        again to go on waiting (the shutdown is requested once). Not from the
+        loop's own thread (RuntimeError).
         """
+        if self.in_thread():
+            raise RuntimeError(f"{self.name}: stop() called from the loop's own thread")
         if not self._thread.is_alive():
+            if not self.loop.is_closed():
+                self.loop.close()
             return True
 
         async def cancel_all() -> None:
@@ -125,11 +153,12 @@ class LoopThread:
             fut = asyncio.ensure_future(cancel_all())
             fut.add_done_callback(lambda _: self.loop.stop())
 
-        if self.in_thread():
-            raise RuntimeError(f"{self.name}: stop() called from the loop's own thread")
-        self.loop.call_soon_threadsafe(shutdown)
+        if not self._stop_requested:
+            self._stop_requested = True
+            self.loop.call_soon_threadsafe(shutdown)
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
-        self.loop.close()  # no run_until_complete here: the caller's thread may be running a loop
+        if not self.loop.is_closed():
+            self.loop.close()  # no run_until_complete here: the caller's thread may be running a loop
         return True

@@ -129,7 +129,8 @@ class Transfer:
 
         It runs on the worker thread that finished the transfer, or at once in
         the calling thread if it has already ended; keep it short and thread-safe
-        (``loop.call_soon_threadsafe`` to reach a loop). Exceptions are ignored.
+        (``loop.call_soon_threadsafe`` to reach a loop). Whatever it raises,
+        ``SystemExit`` and ``KeyboardInterrupt`` included, is logged and ignored.
         """
         with self._lock:
             if self._state == _PENDING:
@@ -222,5 +223,5 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer) -> None:
     try:
         fn(transfer)
-    except Exception:  # a user's callback must not break the worker loop
+    except BaseException:  # a user's callback must not stop the worker loop, not even with SystemExit
         log.exception("done callback %r raised", fn)

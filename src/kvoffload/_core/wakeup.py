@@ -50,7 +50,7 @@ class Mailbox:
         for fn, args in calls:
             try:
                 fn(*args)
-            except Exception as e:  # one bad callback must not drop the rest
+            except BaseException as e:  # one bad callback must not drop the rest, nor stop the loop (SystemExit)
                 self._loop.call_exception_handler({"message": "kvoffload mailbox callback failed", "exception": e})
 
 
