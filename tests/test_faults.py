@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import zlib
 from collections import Counter
@@ -38,35 +37,13 @@ from collections import Counter
 import pytest
 
 import kvoffload
-from kvoffload._testing import disk_io
 from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
-from kvoffload._core.movers import CpuMover
 
 SLOW_S = 0.01
 
 
 class InjectedCopyError(RuntimeError):
     """What the broken mover raises (a CUDA error, in real life)."""
-
-
-class Injector:
-    """Faults injected into the mover and the disk IO seam; counts what it injected."""
-
-    def __init__(self, name: str, from_call: int) -> None:
-        self.name = name
-        self.from_call = from_call  # 1: every call fails; 2: the first call succeeds
-        self.lock = threading.Lock()
-        self.calls: Counter[str] = Counter()
-        self.injected = 0
-        self.active = True
-
-    def due(self, path: str) -> bool:
-        with self.lock:
-            self.calls[path] += 1
-            if self.active and self.calls[path] >= self.from_call:
-                self.injected += 1
-                return True
-            return False
 
 
 # fault name -> paths it breaks (slow-disk breaks nothing: it is only slow)
@@ -103,50 +80,29 @@ OPS = {
 FIGURES: Counter[str] = Counter()
 
 
-def install(off: kvoffload.Offloader, inj: Injector, monkeypatch) -> None:
-    io = disk_io(off)
-    real_w, real_r = io.pwritev, io.preadv
-    real_to_host, real_to_device = CpuMover.to_host, CpuMover.to_device
-    name = inj.name
+def install(off: kvoffload.Offloader, faults, name: str, from_call: int) -> list:
+    """Break (or slow) the paths fault ``name`` touches, from call ``from_call`` of each on."""
 
-    def pwritev(fd, bufs, offset):
-        if name == "slow-disk" and inj.due("pwritev"):
-            time.sleep(SLOW_S)
-        elif "pwritev" in FAULT_PATHS[name] and inj.due("pwritev"):
-            if name == "short-write":
-                n = real_w(fd, bufs, offset)
-                return n - 4096  # the device took less than asked
-            if name == "ENOSPC":
-                raise OSError(errno.ENOSPC, "No space left on device")
-            if name == "EIO":
-                raise OSError(errno.EIO, "Input/output error")
-            raise RuntimeError("injected: the IO thread failed")
-        return real_w(fd, bufs, offset)
+    def short_write(real, fd, bufs, offset):
+        return real(fd, bufs, offset) - 4096  # the device took less than asked
 
-    def preadv(fd, bufs, offset):
-        if name == "slow-disk" and inj.due("preadv"):
-            time.sleep(SLOW_S)
-        elif "preadv" in FAULT_PATHS[name] and inj.due("preadv"):
-            if name == "short-read":
-                return real_r(fd, bufs, offset) - 1
-            if name == "EIO":
-                raise OSError(errno.EIO, "Input/output error")
-            raise RuntimeError("injected: the IO thread failed")
-        return real_r(fd, bufs, offset)
+    def short_read(real, fd, bufs, offset):
+        return real(fd, bufs, offset) - 1
 
-    def to_host(self, *a):
-        if name == "copy-error" and inj.due("to_host"):
-            raise InjectedCopyError("injected copy failure (to_host)")
-        return real_to_host(self, *a)
+    def slow(real, *args):
+        time.sleep(SLOW_S)  # a slow disk is the fault here, not a wait
+        return real(*args)
 
-    def to_device(self, *a):
-        if name == "copy-error" and inj.due("to_device"):
-            raise InjectedCopyError("injected copy failure (to_device)")
-        return real_to_device(self, *a)
-
-    io.pwritev, io.preadv = pwritev, preadv
-    monkeypatch.setattr(CpuMover, "to_host", to_host)
-    monkeypatch.setattr(CpuMover, "to_device", to_device)
+    what = {
+        "copy-error": {p: InjectedCopyError(f"injected copy failure ({p})") for p in ("to_host", "to_device")},
+        "short-write": {"pwritev": short_write},
+        "short-read": {"preadv": short_read},
+        "ENOSPC": {"pwritev": OSError(errno.ENOSPC, "No space left on device")},
+        "EIO": {p: OSError(errno.EIO, "Input/output error") for p in ("pwritev", "preadv")},
+        "io-thread-error": {p: RuntimeError("injected: the IO thread failed") for p in ("pwritev", "preadv")},
+        "slow-disk": {p: slow for p in ("pwritev", "preadv")},
+    }[name]
+    return [faults.fail(off, path, w, from_call) for path, w in what.items()]
 
 
 async def check_keys(off, caches, want: dict, dest_from: int = 48) -> None:
@@ -173,7 +129,7 @@ CASES = [(f, op, 1) for f in FAULT_PATHS for op in OPS] + [
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fault, op, from_call", CASES, ids=[f"{f}-{op}" + ("-from-2nd-call" if c == 2 else "") for f, op, c in CASES])
-async def test_fault_fails_only_its_transfer(tmp_path, monkeypatch, fault, op, from_call):
+async def test_fault_fails_only_its_transfer(tmp_path, faults, fault, op, from_call):
     config, uses = OPS[op]
     expect_failure = bool(FAULT_PATHS[fault] & uses)
     caches = random_caches(64, seed=zlib.crc32(f"{fault}-{op}".encode()) % 1000)
@@ -203,8 +159,7 @@ async def test_fault_fails_only_its_transfer(tmp_path, monkeypatch, fault, op, f
             assert off.stats().host_free == 0  # the store must spill
         before = off.stats()
 
-        inj = Injector(fault, from_call)
-        install(off, inj, monkeypatch)
+        injected = install(off, faults, fault, from_call)
         kind, blocks = transfer_args
         t0 = time.perf_counter()
         t = off.store(blocks) if kind == "store" else off.load(blocks)
@@ -225,9 +180,10 @@ async def test_fault_fails_only_its_transfer(tmp_path, monkeypatch, fault, op, f
             FIGURES["unaffected, succeeded"] += 1
         elapsed = time.perf_counter() - t0
         assert elapsed < 10, f"the transfer took {elapsed:.1f} s to end"
-        assert inj.injected > 0 or not (expect_failure or (SLOWED_PATHS.get(fault, set()) & uses)), "the fault never fired"
-        FIGURES["faults injected"] += inj.injected if (FAULT_PATHS[fault] or SLOWED_PATHS.get(fault)) else 0
-        inj.active = False  # the disk and the mover work again
+        n_injected = sum(f.injected for f in injected)
+        assert n_injected > 0 or not (expect_failure or (SLOWED_PATHS.get(fault, set()) & uses)), "the fault never fired"
+        FIGURES["faults injected"] += n_injected
+        faults.restore()  # the disk and the mover work again
 
         s = off.stats()
         assert (s.pending, s.pinned, s.spilling, s.in_flight) == (0, 0, 0, 0), s
@@ -276,18 +232,13 @@ def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path, exc):
     proc = run_script(f"""
         import kvoffload
-        from kvoffload._testing import disk_io
-        from conftest import random_caches
+        from conftest import Faults, random_caches
 
         caches = random_caches(16, seed=5)
+        faults = Faults()
         with kvoffload.Offloader(caches, host_blocks=0, disk_path={str(tmp_path / "kv")!r}, disk_blocks=8) as off:
             off.store({{"old": 0}}).result(10)
-            real = disk_io(off).pwritev
-
-            def dying(fd, bufs, offset):
-                raise {exc}
-
-            disk_io(off).pwritev = dying
+            faults.fail(off, "pwritev", {exc})
             t = off.store({{"new": 1}})
             try:
                 t.result(timeout=2)
@@ -295,7 +246,7 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
                 print("failed with TransferError")
             except TimeoutError:
                 print("HUNG: the transfer did not end")
-            disk_io(off).pwritev = real
+            faults.restore()
             try:
                 print("next store:", off.store({{"next": 2}}).result(timeout=2).keys)
             except TimeoutError:
@@ -307,15 +258,11 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
 def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
     proc = run_script(f"""
         import errno, torch, kvoffload
-        from kvoffload._testing import disk_io
+        from conftest import Faults
 
         caches = {{"kv": torch.randint(0, 255, (16, 4096), dtype=torch.uint8)}}
         off = kvoffload.Offloader(caches, host_blocks=0, disk_path={str(tmp_path / "kv")!r}, disk_blocks=8).start()
-
-        def eio(fd, bufs, offset):
-            raise OSError(errno.EIO, "Input/output error")
-
-        disk_io(off).pwritev = eio
+        Faults().fail(off, "pwritev", OSError(errno.EIO, "Input/output error"))
         try:
             off.store({{"a": 0}}).result(10)
         except kvoffload.TransferError as e:
@@ -331,7 +278,7 @@ def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
 
 @pytest.mark.parametrize("how", ["EIO", "short-read", "cancel-mid-read"])
 @pytest.mark.parametrize("host_blocks", [0, 2], ids=["disk-only", "spilled"])
-def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, how, host_blocks):
+def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, faults, how, host_blocks):
     caches = random_caches(32, seed=61)
     orig = {n: t.clone() for n, t in caches.items()}
     with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=8,
@@ -339,33 +286,24 @@ def test_failed_and_cancelled_disk_loads_leave_later_loads_working(tmp_path, how
         for i in range(0, 4, 2):  # with 2 host slots the second store spills keys 0 and 1 to disk
             off.store({i: i, i + 1: i + 1}).result(10)
         disk_keys = [0, 1] if host_blocks else [0, 1, 2, 3]
-        real = disk_io(off).preadv
-        entered, release = threading.Event(), threading.Event()
-
-        def fault(fd, bufs, offset):
-            if how == "EIO":
-                raise OSError(errno.EIO, "Input/output error")
-            if how == "short-read":
-                return real(fd, bufs, offset) - 4096
-            entered.set()
-            assert release.wait(10)
-            return real(fd, bufs, offset)
-
-        disk_io(off).preadv = fault
+        if how == "EIO":
+            faults.fail(off, "preadv", OSError(errno.EIO, "Input/output error"))
+        elif how == "short-read":
+            faults.fail(off, "preadv", lambda real, fd, bufs, offset: real(fd, bufs, offset) - 4096)
         for attempt in range(2):  # each attempt fails (or is cancelled) while its read is in flight
-            entered.clear()
-            release.clear()
+            gate = faults.gate(off, "preadv") if how == "cancel-mid-read" else None
             t = off.load({k: 16 + j for j, k in enumerate(disk_keys)})
-            if how == "cancel-mid-read":
-                assert entered.wait(10)
+            if gate is not None:
+                gate.wait_entered()
                 t.cancel()
-                release.set()
+                gate.open()
                 with pytest.raises(asyncio.CancelledError):
                     t.result(timeout=5)
+                gate.remove()
             else:
                 with pytest.raises(kvoffload.TransferError):
                     t.result(timeout=5)
-        disk_io(off).preadv = real  # the disk is healthy again
+        faults.restore()  # the disk is healthy again
         for t_ in caches.values():
             t_[16:24].zero_()
         off.load({k: 16 + j for j, k in enumerate(disk_keys)}).result(timeout=2)  # hung before the fix
