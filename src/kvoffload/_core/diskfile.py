@@ -1,12 +1,15 @@
 """The disk tier's file: opened safely, space reserved up front, O_DIRECT vectored IO.
 
-Blocks encode user prompts, so the file is created fresh and private: any old
-file or planted symlink at the path is unlinked, then the file is opened with
-``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, and it is unlinked on close.
+Blocks encode user prompts, so the file is created fresh and private: a planted
+symlink or a stale regular file at the path is unlinked (anything else there,
+or a file another offloader holds, is refused: :func:`clear_path`), then the
+file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, locked
+with ``flock`` at once, and unlinked on close.
 
 IO goes through :attr:`DiskFile.io` (``pwritev`` / ``preadv``), the one seam
-tests use to inject faults. A short read or write is an ``OSError`` (EIO),
-never a silent success.
+tests use to inject faults, called through :func:`~.foreign.call_foreign`.
+Any return but the requested byte count is an ``OSError`` (EIO), never a
+silent success.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import logging
+import mmap
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from .errors import OffloadError
+from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
 
-__all__ = ["DiskFile", "IoCalls", "IoBatch", "io_jobs"]
+__all__ = ["DiskFile", "IoCalls", "IoBatch", "clear_path", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
@@ -49,18 +56,17 @@ class DiskFile:
         self.path = os.fspath(path)
         self.nbytes = nbytes
         self.io = IoCalls()
+        self.fd = -1
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory of disk_path does not exist", parent)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # an old file keeps its own mode; a planted symlink would be followed
+        clear_path(self.path)
         want_direct = not use_page_cache and O_DIRECT != 0
         self.fd, self.direct = self._open(want_direct)
         try:
+            self._lock()
             if self.direct and not self._direct_io_works():
                 log.warning("%s: the file system rejects O_DIRECT IO; using buffered IO (page cache)", self.path)
-                import fcntl
-
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
                 self.direct = False
             self._reserve()
@@ -70,20 +76,28 @@ class DiskFile:
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         """Create the file; returns ``(fd, O_DIRECT in use)``."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600), direct
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
         log.warning("%s: the file system does not support O_DIRECT; using buffered IO (page cache)", self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        clear_path(self.path)  # the refused open may have created the file
         return os.open(self.path, flags, 0o600), False
 
-    def _direct_io_works(self) -> bool:
-        import mmap
+    def _lock(self) -> None:
+        """Mark the file as ours (``flock``) before anything else is done with it: see :func:`clear_path`."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:  # another offloader, starting now, is replacing what it found at the path
+            raise OffloadError(f"disk_path {self.path!r} was taken over by another kvoffload offloader starting at the same time") from e
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+            log.warning("%s: the file system has no flock(); another offloader could replace this file", self.path)
 
+    def _direct_io_works(self) -> bool:
         buf = mmap.mmap(-1, SLOT_ALIGN)  # page aligned
         try:
             os.pwritev(self.fd, [buf], 0)
@@ -110,27 +124,93 @@ class DiskFile:
             os.ftruncate(self.fd, self.nbytes)  # no preallocation here: ENOSPC can still come at write time
 
     def write(self, buffers: Sequence[Any], offset: int) -> None:
-        """Write all of ``buffers`` at ``offset``; a short write raises ``OSError(EIO)``."""
+        """Write all of ``buffers`` at ``offset``; any other outcome raises (short write: ``OSError(EIO)``)."""
         want = sum(memoryview(b).nbytes for b in buffers)
-        done = self.io.pwritev(self.fd, buffers, offset)
-        if done != want:
-            raise OSError(errno.EIO, f"short write to disk tier: {done} of {want} bytes at offset {offset}")
+        done = call_foreign("disk write (pwritev)", self.io.pwritev, self.fd, buffers, offset)
+        _check_count("write", done, want, offset)
 
     def read(self, buffers: Sequence[Any], offset: int) -> None:
-        """Fill all of ``buffers`` from ``offset``; a short read raises ``OSError(EIO)``."""
+        """Fill all of ``buffers`` from ``offset``; any other outcome raises (short read: ``OSError(EIO)``)."""
         want = sum(memoryview(b).nbytes for b in buffers)
-        done = self.io.preadv(self.fd, buffers, offset)
-        if done != want:
-            raise OSError(errno.EIO, f"short read from disk tier: {done} of {want} bytes at offset {offset}")
+        done = call_foreign("disk read (preadv)", self.io.preadv, self.fd, buffers, offset)
+        _check_count("read", done, want, offset)
 
     def close(self) -> None:
-        """Unlink the file and close the fd. Only call once no IO thread can use the fd."""
+        """Unlink the file (if the path still names it) and close the fd. Only call once no IO thread can use the fd."""
         if self.fd < 0:
             return
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            _unlink_if_same(self.path, os.fstat(self.fd))
         os.close(self.fd)
         self.fd = -1
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a fifo (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+
+
+def clear_path(path: str) -> None:
+    """Make room for a new disk file at ``path``, or refuse.
+
+    Nothing there: done. A symlink is unlinked, never followed. A regular file is
+    unlinked unless a live offloader holds its ``flock`` (then ``OffloadError``).
+    Anything else (directory, fifo, socket, device) is refused with ``OffloadError``
+    and left alone; it is never opened, so a fifo cannot block.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_a_file(path, st)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced since lstat; O_NONBLOCK kept a fifo from blocking
+            raise _not_a_file(path, st)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise OffloadError(
+                f"disk_path {path!r} is in use by another kvoffload offloader; close it or choose another path"
+            ) from e
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+        _unlink_if_same(path, st)  # holding the lock, so no offloader can be taking the file meanwhile
+    finally:
+        os.close(fd)
+
+
+def _not_a_file(path: str, st: os.stat_result) -> OffloadError:
+    what = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+    return OffloadError(
+        f"disk_path {path!r} is {what}; kvoffload only replaces a regular file or a symlink there, "
+        "so it left it alone: remove it or choose another path"
+    )
+
+
+def _unlink_if_same(path: str, st: os.stat_result) -> None:
+    """Unlink ``path`` if it still names the file ``st`` describes (not one put there since)."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+        os.unlink(path)
 
 
 def io_jobs(host: np.ndarray, row_ids: Sequence[int], slots: Sequence[int], job_bytes: int) -> list[tuple[int, list[Any]]]:
@@ -153,16 +233,21 @@ def io_jobs(host: np.ndarray, row_ids: Sequence[int], slots: Sequence[int], job_
     return jobs
 
 
-def _contained(call: Callable[[], None]) -> None:
-    """Run ``call``; a ``BaseException`` that is not an ``Exception`` (SystemExit, KeyboardInterrupt
-    raised inside the IO call) becomes a ``RuntimeError``, which fails the transfer instead of
-    escaping into the worker loop and stopping it."""
+def _check_count(op: str, done: object, want: int, offset: int) -> None:
+    """``OSError(EIO)`` unless the IO call returned the int ``want``; nothing of ``done`` is called."""
+    if type(done) is int and done == want:
+        return
+    if type(done) is int and 0 <= done < want:
+        raise OSError(errno.EIO, f"short {op} on the disk tier: {done} of {want} bytes at offset {offset}")
+    shown = str(done) if type(done) is int else f"{type(done).__name__} {_safe_repr(done)}"
+    raise OSError(errno.EIO, f"disk {op} returned {shown} instead of {want} (bytes at offset {offset})")
+
+
+def _safe_repr(x: object) -> str:
     try:
-        call()
-    except Exception:
-        raise
-    except BaseException as e:
-        raise RuntimeError(f"disk IO call raised {e!r}") from e
+        return repr(x)[:80]
+    except BaseException:
+        return "?"
 
 
 class IoBatch:
@@ -173,7 +258,7 @@ class IoBatch:
     """
 
     def __init__(self, pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
-        self._futures = [pool.submit(_contained, c) for c in calls]
+        self._futures = [pool.submit(c) for c in calls]
 
     def done(self) -> bool:
         """True when every call has ended."""

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .foreign import call_foreign
 from .loops import LoopThread
 from .movers import BlockMover
 
@@ -121,14 +122,10 @@ class Lane:
             rows = [x for r in batch for x in r.rows] if len(batch) > 1 else first.rows
             try:
                 if first.to_host:
-                    event = self.calls.to_host(self.mover, ids, first.host, rows)
+                    event = call_foreign("copy to host", self.calls.to_host, self.mover, ids, first.host, rows)
                 else:
-                    event = self.calls.to_device(self.mover, first.host, rows, ids)
-            except BaseException as e:
-                if not isinstance(e, Exception):  # never let SystemExit & co. stop the worker loop
-                    err: BaseException = RuntimeError(f"copy raised {e!r}")
-                    err.__cause__ = e
-                    e = err
+                    event = call_foreign("copy to device", self.calls.to_device, self.mover, first.host, rows, ids)
+            except Exception as e:  # OSError or ForeignCallError: fails the transfers of this batch only
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)

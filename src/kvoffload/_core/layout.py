@@ -49,9 +49,11 @@ class BlockLayout:
     def of(cls, kv_caches: Mapping[str, torch.Tensor]) -> BlockLayout:
         """Validate ``kv_caches`` and describe its blocks.
 
-        Raises ``TypeError`` for a non-mapping or non-tensor values, ``ValueError``
-        for an empty mapping, zero blocks, differing block counts, tensors on
-        different devices, or tensors whose blocks are not contiguous.
+        Raises ``TypeError`` for a non-mapping, non-tensor values, and tensors
+        torch cannot view as bytes (quantized, sparse, nested, some dtypes);
+        ``ValueError`` for an empty mapping, zero blocks, differing block counts,
+        tensors on different devices, conjugate or negative views, or tensors
+        whose blocks are not contiguous.
         """
         if not isinstance(kv_caches, Mapping):
             raise TypeError(f"kv_caches must be a mapping of name -> torch.Tensor, got {type(kv_caches).__name__}")
@@ -66,6 +68,7 @@ class BlockLayout:
                 raise TypeError(f"kv_caches keys must be str, got {type(name).__name__}")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"kv_caches[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            _check_plain_memory(name, t)
             if t.dim() < 1 or t.shape[0] == 0:
                 raise ValueError(f"kv_caches[{name!r}] has no blocks along dim 0 (shape {tuple(t.shape)})")
             if t.device.type not in ("cpu", "cuda"):
@@ -83,6 +86,10 @@ class BlockLayout:
             nbytes = t.numel() // t.shape[0] * t.element_size()  # not stride(0): a size-1 dim may have any stride
             if nbytes == 0:
                 raise ValueError(f"kv_caches[{name!r}] has blocks of zero bytes (shape {tuple(t.shape)})")
+            try:  # what block_rows does; a dtype torch cannot view as bytes fails here, not at start()
+                t.view(-1).view(torch.uint8)
+            except (RuntimeError, NotImplementedError) as e:
+                raise TypeError(f"kv_caches[{name!r}] ({t.dtype}) cannot be viewed as bytes: {e}") from None
             pieces.append(TensorPiece(name, offset, nbytes))
             offset += nbytes
         assert num_blocks is not None and device is not None
@@ -96,8 +103,30 @@ class BlockLayout:
         return self.device.type == "cuda"
 
     def block_rows(self, kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy)."""
-        return [kv_caches[p.name].view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
+        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy, outside autograd)."""
+        return [kv_caches[p.name].detach().view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
+
+
+def _check_plain_memory(name: str, t: torch.Tensor) -> None:
+    """Refuse tensors whose memory is not simply their values (``TypeError`` / ``ValueError``).
+
+    Checked before anything else touches ``t``: viewing a quantized tensor as
+    bytes crashed the process.
+    """
+    if t.is_nested:
+        raise TypeError(f"kv_caches[{name!r}] is a nested tensor; pass dense (torch.strided) tensors")
+    if t.layout != torch.strided:
+        raise TypeError(f"kv_caches[{name!r}] has layout {t.layout}; pass dense (torch.strided) tensors")
+    if t.is_quantized:
+        raise TypeError(f"kv_caches[{name!r}] is quantized ({t.dtype}); pass the tensor of its integer values (t.int_repr())")
+    if t.is_conj():
+        raise ValueError(
+            f"kv_caches[{name!r}] is a conjugate view: its memory holds the unconjugated values; pass the tensor it views"
+        )
+    if t.is_neg():
+        raise ValueError(
+            f"kv_caches[{name!r}] is a negative view: its memory holds the negated values; pass the tensor it views"
+        )
 
 
 def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) -> dict[Hashable, int]:
@@ -148,6 +177,5 @@ def runs(*seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     breaks = np.zeros(n - 1, dtype=bool)
     for s in seqs:
         breaks |= np.diff(np.asarray(s, dtype=np.int64)) != 1
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(np.concatenate((starts, [n])))
-    return starts, lengths
+    at = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    return at, np.diff(np.concatenate((at, [n])))

@@ -1,0 +1,49 @@
+"""The one boundary around code kvoffload does not own: the disk IO calls and the block copies.
+
+Whatever such a call raises must fail its transfer and nothing else. Raised
+as is, some exceptions would not: asyncio refuses ``StopIteration`` in a
+future (the transfer would hang), a ``CancelledError`` would read as a
+cancellation, an ``OffloadError`` would pass as the library's own, and
+``SystemExit`` & co. would stop a worker loop. :func:`call_foreign` turns
+them all into :class:`ForeignCallError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from .errors import TransferError
+
+__all__ = ["ForeignCallError", "call_foreign"]
+
+R = TypeVar("R")
+
+
+class ForeignCallError(TransferError):
+    """A foreign call raised something other than ``OSError``; the original is ``__cause__``.
+
+    A :class:`TransferError` already, so the offloader reports it as it is.
+    """
+
+
+def call_foreign(what: str, fn: Callable[..., R], *args: object) -> R:
+    """Return ``fn(*args)``.
+
+    An ``OSError`` propagates unchanged (its errno stays available); any other
+    ``BaseException`` becomes :class:`ForeignCallError` with it as ``__cause__``.
+    """
+    try:
+        return fn(*args)
+    except OSError:
+        raise
+    except BaseException as e:
+        raise ForeignCallError(f"{what} raised {_describe(e)}") from e
+
+
+def _describe(e: BaseException) -> str:
+    try:
+        text = str(e)  # foreign too: its __str__ may raise
+    except BaseException:
+        text = ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
