@@ -1,12 +1,15 @@
-"""Shutdown under load: close(), leaving ``async with`` and garbage collection of an unclosed offloader
-while stores (spilling to disk) and loads (reading from disk) are in flight.
+"""Shutdown and resources: close(), leaving ``with``/``async with`` and garbage collection of an
+unclosed offloader while stores (spilling to disk) and loads (reading from disk) are in flight;
+open/close cycles; host memory.
 
-Each must return within a bounded time; every transfer then has ended, cancelled or done (never
-failed, never left running); every waiter (asyncio tasks and a plain thread) has returned; no
-``kvoffload*`` thread is left; the disk file is gone; no file descriptor is left open. Twenty
-open/close cycles under load must not grow file descriptors, threads or RSS.
+Each shutdown must return within a bounded time; every transfer then has ended, cancelled or done
+(never failed, never left running); every waiter (asyncio tasks, a loop in another thread and a plain
+thread) has returned; no ``kvoffload*`` thread is left; the disk file is gone; no file descriptor is
+left open. Twenty open/close cycles under load must not grow file descriptors, threads or RSS, and
+host memory is the configured slots plus a constant.
 
-The disk is slowed (a few ms per IO call) so that transfers are really in flight when shutdown comes.
+The disk is slowed (a few ms per IO call: a fault, injected through the ``faults`` fixture) so that
+transfers are really in flight when shutdown comes; shutdown starts once a disk read has begun.
 """
 
 from __future__ import annotations
@@ -22,51 +25,35 @@ import time
 import pytest
 
 import kvoffload
-from kvoffload._testing import disk_io
-from conftest import kvoffload_threads, random_caches, report_figure
+import torch
+
+from conftest import kvoffload_threads, open_fds, random_caches, report_figure, rss_bytes
 
 SHUTDOWN_BOUND_S = 10.0
 SLOW_IO_S = 0.003
 FIGURES = {"transfers": 0, "ended cancelled": 0, "ended done": 0, "cycles": 0}
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def slow(real, *args):
+    time.sleep(SLOW_IO_S)  # a slow disk is the fault here, not a wait
+    return real(*args)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def slow_disk(off: kvoffload.Offloader) -> None:
-    io = disk_io(off)
-    real_w, real_r = io.pwritev, io.preadv
-
-    def pwritev(fd, bufs, offset):
-        time.sleep(SLOW_IO_S)
-        return real_w(fd, bufs, offset)
-
-    def preadv(fd, bufs, offset):
-        time.sleep(SLOW_IO_S)
-        return real_r(fd, bufs, offset)
-
-    io.pwritev, io.preadv = pwritev, preadv
-
-
-def open_loaded(caches, path) -> tuple[kvoffload.Offloader, list[kvoffload.Transfer]]:
+def open_loaded(caches, path, faults) -> tuple[kvoffload.Offloader, list[kvoffload.Transfer]]:
     """An offloader with 32 keys in host memory and 64 on disk, then, on a slow disk, 6 stores (each
-    spilling 4 entries) and 24 loads from disk in flight."""
+    spilling 4 entries) and 24 loads from disk in flight; returns once a disk read has begun."""
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     off = kvoffload.Offloader(caches, host_blocks=32, disk_path=path, disk_blocks=128, chunk_bytes=slot, io_threads=2).start()
     for lo in range(0, 96, 32):
         off.store({("seed", i): i for i in range(lo, lo + 32)}).result(30)
-    slow_disk(off)
+    faults.fail(off, "pwritev", slow)
+    reads = faults.fail(off, "preadv", slow)
     transfers = []
     for i in range(24):
         if i % 4 == 0:
             transfers.append(off.store({("new", i, j): 96 + (i + j) % 32 for j in range(4)}))
         transfers.append(off.load({("seed", (2 * i + j) % 64): 128 + (2 * i + j) % 128 for j in range(2)}))
+    reads.wait_entered()
     return off, transfers
 
 
@@ -116,16 +103,15 @@ def check_released(path, fds: int) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["close", "async-with"])
-async def test_shutdown_under_load_from_a_loop(tmp_path, how):
+async def test_shutdown_under_load_from_a_loop(tmp_path, faults, how):
     caches = random_caches(256, seed=81)
     path = str(tmp_path / "kv")
     gc.collect()
     fds = open_fds()
-    off, transfers = open_loaded(caches, path)
+    off, transfers = open_loaded(caches, path, faults)
     outcomes: list = []
     waiter_thread = thread_waiter(transfers[1::2], outcomes)
     tasks = [asyncio.ensure_future(task_outcome(t)) for t in transfers[::2]]
-    await asyncio.sleep(0.02)
     assert off.stats().in_flight > 0, "nothing was in flight at shutdown: the test means nothing"
     t0 = time.perf_counter()
     if how == "close":
@@ -147,12 +133,13 @@ async def test_shutdown_under_load_from_a_loop(tmp_path, how):
     check_released(path, fds)
 
 
-def test_shutdown_under_load_by_garbage_collection(tmp_path):
+@pytest.mark.parametrize("how", ["close", "with", "gc"])
+def test_shutdown_under_load_from_a_thread(tmp_path, faults, how):
     caches = random_caches(256, seed=82)
     path = str(tmp_path / "kv")
     gc.collect()
     fds = open_fds()
-    off, transfers = open_loaded(caches, path)
+    off, transfers = open_loaded(caches, path, faults)
     outcomes: list = []
     waiter_thread = thread_waiter(transfers, outcomes)
     # an asyncio loop in another thread awaits them too
@@ -163,30 +150,39 @@ def test_shutdown_under_load_by_garbage_collection(tmp_path):
 
     loop_thread = threading.Thread(target=asyncio.run, args=(await_all(),), name="waiter-loop")
     loop_thread.start()
-    time.sleep(0.02)
     assert off.stats().in_flight > 0
     t0 = time.perf_counter()
-    del off  # the last reference: the finalizer closes it
-    gc.collect()
+    if how == "close":
+        off.close(SHUTDOWN_BOUND_S)
+    elif how == "with":
+        with off:  # started above (entering again is a no-op); leaving it closes the offloader
+            pass
+    else:
+        del off  # the last reference: the finalizer closes it
+        gc.collect()
     took = time.perf_counter() - t0
-    assert took < SHUTDOWN_BOUND_S, f"collection took {took:.1f} s"
+    assert took < SHUTDOWN_BOUND_S, f"shutdown ({how}) took {took:.1f} s"
     for th in (waiter_thread, loop_thread):
         th.join(5)
         assert not th.is_alive(), f"{th.name} never woke up"
     check_ended(transfers, outcomes + loop_outcomes)
+    assert any(t.cancelled() for t in transfers), "shutdown cancelled nothing: it came too late to mean anything"
+    if how != "gc":
+        del off
+        gc.collect()
     check_released(path, fds)
 
 
-def test_open_close_cycles_under_load_do_not_leak(tmp_path):
+def test_open_close_cycles_under_load_do_not_leak(tmp_path, faults):
     caches = random_caches(256, seed=83)
 
     def cycle(i: int) -> None:
         path = str(tmp_path / f"kv{i}")
-        off, transfers = open_loaded(caches, path)
+        off, transfers = open_loaded(caches, path, faults)
         outcomes: list = []
         th = thread_waiter(transfers, outcomes)
-        time.sleep(0.005)
         off.close(SHUTDOWN_BOUND_S)
+        faults.restore()
         th.join(10)
         check_ended(transfers, outcomes)
         assert not os.path.exists(path)
@@ -205,6 +201,16 @@ def test_open_close_cycles_under_load_do_not_leak(tmp_path):
     # so this bound only catches gross leaks (e.g. a cache-sized copy kept per cycle)
     assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB over 20 cycles"
     assert not kvoffload_threads() and not list(tmp_path.iterdir())
+
+
+def test_host_memory_is_the_configured_slots_plus_constant():
+    caches = {"kv": torch.randint(0, 255, (64, 256 << 10), dtype=torch.uint8)}  # 256 KiB blocks
+    before = rss_bytes()
+    with kvoffload.Offloader(caches, host_blocks=128, chunk_bytes=8 << 20) as off:
+        off.store({i: i for i in range(64)}).result(30)
+        grown = rss_bytes() - before
+    slab = 128 * (256 << 10)
+    assert slab <= grown < slab + (48 << 20), f"RSS grew {grown >> 20} MiB for a {slab >> 20} MiB slab"
 
 
 # -- close() from a thread that runs an event loop -------------------------------------------------
