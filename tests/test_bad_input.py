@@ -3,10 +3,12 @@ ValueError, and nothing moves (``stats()`` unchanged, cache bytes unchanged, no 
 thread started, no file created).
 
 Block mappings: one bad entry (wrong type, negative, out of range, huge) hidden at a random place
-among good ones, for store and load; non-mappings; unhashable keys (a custom Mapping whose keys are
-lists), also after good keys; duplicate destinations; huge mappings. Caches: views with odd strides
-(accepted views must round-trip every byte, the others must be refused at construction), tensors on
-mixed devices (``meta`` stands in for a second device), and malformed options.
+among good ones, for store and load (and no out-of-range id ever reaches a copy); non-mappings;
+unhashable keys (a custom Mapping whose keys are lists), also after good keys, for store, load, lookup
+and discard; duplicate destinations; missing keys; huge mappings. Caches: malformed mappings, views
+with odd strides (accepted views must round-trip every byte, the others must be refused at
+construction), tensors on mixed or unsupported devices (``meta`` stands in for a second device), and
+malformed options (exact exception types for a fixed list, property-based for the rest).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ non_mappings = st.one_of(
     st.lists(st.tuples(st.text(max_size=2), st.integers(0, NUM_BLOCKS - 1)), max_size=3),
     st.frozensets(st.integers(0, 5), max_size=3),
     st.tuples(st.tuples(st.just("a"), st.just(1))),
-    st.sampled_from([{"a": 1}.items(), {"a": 1}.keys(), iter([("a", 1)]), torch.tensor([1, 2]), np.array([[1, 2]])]),
+    st.sampled_from([{"a": 1}.items(), {"a": 1}.keys(), iter([("a", 1)]), {("a", 1)}, torch.tensor([1, 2]), np.array([[1, 2]])]),
 )
 
 
@@ -148,19 +150,22 @@ class ListKeyed(Mapping):
 
 @SETTINGS
 @given(
-    kind=st.sampled_from(["store", "load"]),
+    kind=st.sampled_from(["store", "load", "lookup"]),
     n_good=st.integers(0, 5),
     position=st.integers(0, 5),
     bad_key=st.one_of(st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
                       st.sets(st.integers(), max_size=2), st.just(bytearray(b"k"))),
 )
 def test_an_unhashable_key_anywhere_fails_the_call_and_moves_nothing(fx, kind, n_good, position, bad_key):
-    good = [(k, 8 + i) for i, k in enumerate(STORED[:n_good])] if kind == "load" else [(("new", i), i) for i in range(n_good)]
+    good = [(k, 8 + i) for i, k in enumerate(STORED[:n_good])] if kind != "store" else [(("new", i), i) for i in range(n_good)]
     items = list(good)
     items.insert(min(position, len(items)), (bad_key, 20))
     before = fx.off.stats()
     with pytest.raises(TypeError, match="unhashable"):
-        (fx.off.store if kind == "store" else fx.off.load)(ListKeyed(items))
+        if kind == "lookup":  # the keys before the bad one are all stored: lookup must get to it
+            fx.off.lookup([k for k, _ in items])
+        else:
+            (fx.off.store if kind == "store" else fx.off.load)(ListKeyed(items))
     fx.expect_nothing_moved(before, [k for k, _ in good])
 
 
@@ -173,6 +178,32 @@ def test_two_keys_loading_into_one_block_fail_the_call(fx, ids):
     with pytest.raises(ValueError, match=f"both name destination block {dup}"):
         fx.off.load(blocks)
     fx.expect_nothing_moved(before)
+
+
+def test_load_rejects_duplicate_destinations_and_missing_keys(make_offloader, caches):
+    off = make_offloader(caches, host_blocks=16)
+    off.store({"a": 1, "b": 2}).result(10)
+    with pytest.raises(ValueError, match="both name destination block 5"):
+        off.load({"a": 5, "b": 5})
+    with pytest.raises(kvoffload.MissingKeysError) as ei:
+        off.load({"a": 5, "zz": 6})
+    assert ei.value.missing == ("zz",)
+    with pytest.raises(KeyError):
+        off.load({"zz": 6})
+    assert off.stats().pinned == 0  # a failed validation pinned nothing
+
+
+def test_out_of_range_ids_never_reach_a_copy(fx, faults):
+    """The range check comes before any address arithmetic: no copy is ever called."""
+    spies = [faults.spy(fx.off, "to_host"), faults.spy(fx.off, "to_device")]
+    before = fx.off.stats()
+    for bad in (NUM_BLOCKS, 2**40, -1, -(2**40)):
+        with pytest.raises(ValueError):
+            fx.off.store({("x", bad): bad})
+        with pytest.raises(ValueError):
+            fx.off.load({STORED[0]: bad})
+    assert [s.calls for s in spies] == [[], []]
+    fx.expect_nothing_moved(before, [("x", NUM_BLOCKS)])
 
 
 def test_duplicate_sources_are_fine_for_a_store():
@@ -239,6 +270,25 @@ def test_discard_with_an_unhashable_key_discards_nothing(own):
 
 
 # -- caches ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        ([], TypeError),
+        ({}, ValueError),
+        ({"a": [1, 2]}, TypeError),
+        ({1: torch.zeros(4, 4)}, TypeError),
+        ({"a": torch.zeros(4, 4), "b": torch.zeros(5, 4)}, ValueError),
+        ({"a": torch.zeros(4, 4).t()}, ValueError),
+        ({"a": torch.zeros(0, 4)}, ValueError),
+        ({"a": torch.zeros(4, 8)[:, ::2]}, ValueError),
+        ({"a": torch.zeros(4, 4, device="meta")}, ValueError),  # a device kvoffload cannot copy from
+    ],
+)
+def test_bad_caches_rejected(bad, exc):
+    with pytest.raises(exc):
+        kvoffload.Offloader(bad)
 
 VIEWS = ["transpose", "step", "narrow", "expand", "permute", "rows-step", "rows-slice", "unsqueeze", "as-is"]
 
@@ -329,6 +379,26 @@ def test_caches_on_mixed_devices_are_refused_at_construction(tmp_path_factory, n
     with pytest.raises(ValueError, match="meta"):
         kvoffload.Offloader(dict(items), host_blocks=4, disk_path=path, disk_blocks=4)
     assert set(kvoffload_threads()) == threads and not path.exists()
+
+
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        ({"host_blocks": -1}, ValueError),
+        ({"host_blocks": 2.5}, TypeError),
+        ({"host_blocks": True}, TypeError),
+        ({"completion": "spin"}, ValueError),
+        ({"disk_blocks": 8}, ValueError),  # no path
+        ({"disk_path": "kv"}, ValueError),  # no slots
+        ({"host_blocks": 0}, ValueError),  # no room at all
+        ({"disk_path": 3, "disk_blocks": 8}, TypeError),
+        ({"disk_path": "kv", "disk_blocks": -1}, ValueError),
+        ({"disk_path": "kv", "disk_blocks": 8, "io_threads": 0}, ValueError),
+    ],
+)
+def test_bad_options_rejected(caches, kw, exc):
+    with pytest.raises(exc):
+        kvoffload.Offloader(caches, **kw)
 
 
 bad_options = st.one_of(
