@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvoffload
-from kvoffload._testing import disk_io, pinned_buffers
+from kvoffload._testing import pinned_buffers
 from conftest import check_every_visible_key, random_caches, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -133,16 +133,19 @@ async def test_after_event_overrides_current_stream():
 
 
 @pytest.mark.asyncio
-async def test_cancel_mid_transfer_leaves_no_torn_entry():
+async def test_cancel_mid_transfer_leaves_no_torn_entry(faults):
     caches = gpu_caches(512)
     orig = {n: t.clone() for n, t in caches.items()}
     async with kvoffload.Offloader(caches, host_blocks=512, chunk_bytes=4 * caches_block(caches)) as off:
+        gate = faults.gate(off, "to_host")
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             torch.cuda._sleep(SLEEP_CYCLES // 4)
             t = off.store({i: i for i in range(512)})
-        await asyncio.sleep(0.01)
+        gate.allow(3)
+        await gate.entered_async(count=4)  # three chunk copies queued, the fourth held
         t.cancel()
+        gate.open()
         with pytest.raises(asyncio.CancelledError):
             await t
         s = off.stats()
@@ -208,14 +211,17 @@ async def test_gpu_disk_store_waits_for_callers_stream(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_gpu_disk_cancel_mid_transfer(tmp_path):
+async def test_gpu_disk_cancel_mid_transfer(tmp_path, faults):
     caches = gpu_caches(256, seed=6)
     orig = {n: t.clone() for n, t in caches.items()}
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=256,
                                    chunk_bytes=4 * caches_block(caches)) as off:
+        gate = faults.gate(off, "pwritev")
         t = off.store({i: i for i in range(256)})
-        await asyncio.sleep(0.002)
+        gate.allow(2)
+        await gate.entered_async(count=3)  # two chunks written, the third held
         t.cancel()
+        gate.open()
         try:
             await t
         except asyncio.CancelledError:
@@ -251,36 +257,27 @@ def test_start_from_a_thread_that_never_touched_cuda():
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fault", ["copy", "short-write", "EIO-read"])
-async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, monkeypatch, fault):
+async def test_gpu_faults_fail_the_transfer_and_lose_nothing(tmp_path, faults, fault):
     import errno
-    import os
 
     from kvoffload._core.cuda.driver import CudaError
-    from kvoffload._core.cuda.mover import CudaMover
 
     caches = gpu_caches(64, seed=8)
     orig = {n: t.clone() for n, t in caches.items()}
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=32) as off:
         await off.store({i: i for i in range(8)})
         if fault == "copy":
-            def broken(self, *a):
-                raise CudaError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE", "injected")
-
-            monkeypatch.setattr(CudaMover, "to_host", broken)
+            faults.fail(off, "to_host", CudaError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE", "injected"))
             failing = off.store({i: i for i in range(8, 12)})
         elif fault == "short-write":
-            disk_io(off).pwritev = lambda fd, bufs, offset: os.pwritev(fd, bufs, offset) - 4096
+            faults.fail(off, "pwritev", lambda real, fd, bufs, offset: real(fd, bufs, offset) - 4096)
             failing = off.store({i: i for i in range(8, 12)})
         else:
-            def eio(fd, bufs, offset):
-                raise OSError(errno.EIO, "Input/output error")
-
-            disk_io(off).preadv = eio
+            faults.fail(off, "preadv", OSError(errno.EIO, "Input/output error"))
             failing = off.load({i: 40 + i for i in range(8)})
         with pytest.raises(kvoffload.TransferError):
             await failing
-        monkeypatch.undo()
-        disk_io(off).pwritev, disk_io(off).preadv = os.pwritev, os.preadv
+        faults.restore()
         s = off.stats()
         assert s.pending == 0 and s.pinned == 0 and off.lookup(range(12)) == 8
         for t in caches.values():
