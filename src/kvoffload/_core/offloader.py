@@ -251,6 +251,9 @@ class _Runtime:
                 self._close_now(timeout)
         finally:
             self._close_lock.release()
+        closer = self._closer  # a handed-off close that found the work done: let it end too
+        if closer is not None and closer is not threading.current_thread():
+            closer.join(timeout)
 
     def _close_in_background(self, timeout: float) -> None:
         with self._closer_lock:
