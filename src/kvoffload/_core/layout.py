@@ -103,22 +103,25 @@ class BlockLayout:
         return self.device.type == "cuda"
 
     def block_rows(self, kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy, outside autograd)."""
-        return [kv_caches[p.name].detach().view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
+        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy)."""
+        return [kv_caches[p.name].view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
 
 
 def _check_plain_memory(name: str, t: torch.Tensor) -> None:
     """Refuse tensors whose memory is not simply their values (``TypeError`` / ``ValueError``).
 
-    Checked before anything else touches ``t``: viewing a quantized tensor as
-    bytes crashed the process.
+    Checked before anything else touches ``t`` (a quantized cache, once accepted,
+    crashed the process at ``start()``).
     """
     if t.is_nested:
         raise TypeError(f"kv_caches[{name!r}] is a nested tensor; pass dense (torch.strided) tensors")
     if t.layout != torch.strided:
         raise TypeError(f"kv_caches[{name!r}] has layout {t.layout}; pass dense (torch.strided) tensors")
     if t.is_quantized:
-        raise TypeError(f"kv_caches[{name!r}] is quantized ({t.dtype}); pass the tensor of its integer values (t.int_repr())")
+        raise TypeError(
+            f"kv_caches[{name!r}] is quantized ({t.dtype}): its scale and zero point are not in its memory; "
+            "keep the cache in a plain dtype"
+        )
     if t.is_conj():
         raise ValueError(
             f"kv_caches[{name!r}] is a conjugate view: its memory holds the unconjugated values; pass the tensor it views"

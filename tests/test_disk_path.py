@@ -1,0 +1,253 @@
+"""What the disk tier does with what it finds at disk_path.
+
+Nothing there, a planted symlink or a stale regular file: it creates its own private file (a
+symlink is replaced, never followed). A file another live offloader holds, in this process or
+another, is refused and left alone; so are a fifo (without blocking on it), a socket, a device and
+a directory. The file is locked from its creation, and a start that fails unlinks only the file it
+created.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import kvoffload
+from conftest import block_bytes, random_caches
+
+
+def open_disk(path, caches=None):
+    caches = random_caches(8, seed=11) if caches is None else caches
+    return kvoffload.Offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8)
+
+
+def chain_text(e: BaseException) -> str:
+    """The messages of ``e`` and its causes (a start error may wrap the disk tier's)."""
+    parts = []
+    while e is not None:
+        parts.append(str(e))
+        e = e.__cause__
+    return " | ".join(parts)
+
+
+def assert_refused(path, *words):
+    """Starting an offloader on ``path`` fails with OffloadError whose message names ``words``."""
+    threads = set(threading.enumerate())
+    off = open_disk(path)
+    with pytest.raises(kvoffload.OffloadError) as ei:
+        off.start()
+    text = chain_text(ei.value)
+    assert str(path) in text and all(w in text for w in words), text
+    assert not [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("kvoffload")]
+
+
+def round_trip(off, caches):
+    """Store two blocks of ``caches`` (``off``'s cache) and load them back elsewhere, byte for byte."""
+    want = {k: block_bytes(caches, k) for k in (1, 2)}
+    off.store({("rt", 1): 1, ("rt", 2): 2}).result(10)
+    for t in caches.values():
+        t[5:7].zero_()
+    off.load({("rt", 1): 5, ("rt", 2): 6}).result(10)
+    assert block_bytes(caches, 5) == want[1] and block_bytes(caches, 6) == want[2]
+
+
+def identity(path):
+    st = os.lstat(path)
+    return stat.S_IFMT(st.st_mode), st.st_dev, st.st_ino, st.st_rdev
+
+
+def test_fifo_is_refused_without_opening_it(tmp_path):
+    path = tmp_path / "kv"
+    os.mkfifo(path, 0o600)
+    before = identity(path)
+    outcome: list = []
+
+    def start():
+        off = open_disk(path)
+        try:
+            off.start()
+            outcome.append(off)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():  # blocked opening the fifo: release it (either end), then fail
+        for flags in (os.O_WRONLY, os.O_RDONLY):
+            try:
+                os.close(os.open(path, flags | os.O_NONBLOCK))
+            except OSError:
+                pass
+        thread.join(10)
+        pytest.fail("starting on a fifo blocked")
+    (result,) = outcome
+    if isinstance(result, kvoffload.Offloader):
+        result.close()
+    assert isinstance(result, kvoffload.OffloadError), repr(result)
+    text = chain_text(result)
+    assert str(path) in text and "fifo" in text, text
+    assert identity(path) == before
+
+
+def test_unix_socket_is_refused(tmp_path):
+    path = tmp_path / "kv.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        before = identity(path)
+        assert_refused(path, "socket")
+        assert identity(path) == before
+
+
+def test_directory_is_refused(tmp_path):
+    path = tmp_path / "kv"
+    path.mkdir()
+    (path / "inside").write_bytes(b"keep")
+    assert_refused(path, "directory")
+    assert path.is_dir() and (path / "inside").read_bytes() == b"keep"
+
+
+def test_device_is_refused(tmp_path):
+    path = tmp_path / "kv"
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # like /dev/null
+    except PermissionError:
+        pytest.skip("creating a device node needs privileges")
+    before = identity(path)
+    assert_refused(path, "character device")
+    assert identity(path) == before
+
+
+def test_a_file_another_offloader_in_this_process_holds_is_refused(tmp_path, make_offloader):
+    path = tmp_path / "kv"
+    caches = random_caches(8, seed=12)
+    first = make_offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8)
+    before = identity(path)
+    assert_refused(path, "in use by another kvoffload offloader")
+    assert identity(path) == before
+    round_trip(first, caches)  # the first one keeps working
+    assert identity(path) == before
+    first.close()
+    assert not path.exists()
+    with open_disk(path, caches) as again:
+        round_trip(again, caches)
+
+
+def test_a_file_another_process_holds_is_refused(tmp_path):
+    path = tmp_path / "kv"
+    tests_dir = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, kvoffload
+            from conftest import random_caches
+            off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8).start()
+            off.store({"k": 1}).result(10)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            off.close()
+        """), str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 60)
+        assert ready and holder.stdout.readline() == "ready\n", holder.stderr.read() if holder.poll() is not None else "no answer"
+        before = identity(path)
+        assert_refused(path, "in use by another kvoffload offloader")
+        assert identity(path) == before
+        holder.stdin.write("close\n")
+        holder.stdin.flush()
+        assert holder.wait(30) == 0, holder.stderr.read()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert not path.exists()
+    caches = random_caches(8)
+    with open_disk(path, caches) as off:
+        round_trip(off, caches)
+
+
+@pytest.mark.parametrize("target", ["file", "fifo", "missing"])
+def test_symlink_is_replaced_not_followed(tmp_path, target):
+    dest = tmp_path / "target"
+    if target == "file":
+        dest.write_bytes(b"do not overwrite")
+    elif target == "fifo":
+        os.mkfifo(dest)
+    link = tmp_path / "kv"
+    link.symlink_to(dest)
+    caches = random_caches(8)
+    with open_disk(link, caches) as off:
+        assert not link.is_symlink() and link.is_file()
+        assert os.stat(link).st_mode & 0o777 == 0o600
+        round_trip(off, caches)
+    assert not os.path.lexists(link)
+    if target == "file":
+        assert dest.read_bytes() == b"do not overwrite"
+    elif target == "fifo":
+        assert stat.S_ISFIFO(os.lstat(dest).st_mode)
+    else:
+        assert not os.path.lexists(dest)
+
+
+def test_stale_file_is_replaced_not_reused(tmp_path):
+    path = tmp_path / "kv"
+    path.write_bytes(b"stale")
+    os.chmod(path, 0o644)
+    kept = tmp_path / "kept"
+    os.link(path, kept)  # a second name for the old file: it must be unlinked, not written
+    caches = random_caches(8)
+    with open_disk(path, caches) as off:
+        st = os.stat(path)
+        assert st.st_ino != os.stat(kept).st_ino and st.st_mode & 0o777 == 0o600
+        round_trip(off, caches)
+    assert kept.read_bytes() == b"stale" and not path.exists()
+
+
+def test_the_file_is_locked_before_its_space_is_reserved(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    real = os.posix_fallocate
+    seen = []
+
+    def probing(fd, offset, length):
+        probe = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen.append("unlocked")
+        except BlockingIOError:
+            seen.append("locked")
+        finally:
+            os.close(probe)
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", probing)
+    caches = random_caches(8)
+    with open_disk(path, caches) as off:
+        round_trip(off, caches)
+    assert seen == ["locked"]
+
+
+def test_a_failed_start_unlinks_only_its_own_file(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+
+    def replaced_then_full(fd, offset, length):
+        os.unlink(path)  # someone else put their file at the path meanwhile
+        path.write_bytes(b"theirs")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", replaced_then_full)
+    with pytest.raises(kvoffload.OffloadError) as ei:
+        open_disk(path).start()
+    assert "cannot reserve" in chain_text(ei.value)
+    assert path.read_bytes() == b"theirs"
