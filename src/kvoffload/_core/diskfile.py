@@ -33,7 +33,7 @@ from .errors import OffloadError
 from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
 
-__all__ = ["DiskFile", "IoCalls", "IoBatch", "clear_path", "io_jobs"]
+__all__ = ["DiskFile", "IoBatch", "IoCalls", "clear_path", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
