@@ -624,10 +624,17 @@ def test_done_callback_raising_a_base_exception_does_not_stop_the_worker(exc):
 def test_stats_count_a_transfer_as_ended_when_result_returns(make_offloader):
     caches = random_caches(32, seed=11)
     off = make_offloader(caches, host_blocks=32)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the waiter wakes at the earliest moment
+    stop = threading.Event()
+
+    def metrics() -> None:  # threads polling stats() meanwhile, as a metrics exporter would
+        while not stop.is_set():
+            off.stats()
+
+    pollers = [threading.Thread(target=metrics, name=f"metrics-{i}") for i in range(2)]
+    for p in pollers:
+        p.start()
     try:
-        for i in range(200):
+        for i in range(1000):
             off.store({("k", i): i % 32}).result(10)
             s = off.stats()
             assert (s.in_flight, s.stores) == (0, i + 1), f"round {i}: {s}"
@@ -635,8 +642,10 @@ def test_stats_count_a_transfer_as_ended_when_result_returns(make_offloader):
             s = off.stats()
             assert (s.in_flight, s.loads) == (0, i + 1), f"round {i}: {s}"
     finally:
-        sys.setswitchinterval(interval)
-    assert off.stats().bytes_stored == 200 * off.layout.block_bytes
+        stop.set()
+        for p in pollers:
+            p.join()
+    assert off.stats().bytes_stored == 1000 * off.layout.block_bytes
 
 
 @pytest.mark.asyncio
