@@ -157,15 +157,16 @@ def test_symlink_at_path_is_not_followed(tmp_path):
 
 def test_missing_directory_and_full_disk_fail_clearly(tmp_path, monkeypatch):
     caches = random_caches(8)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(kvoffload.StartError) as info:
         kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "nope" / "kv", disk_blocks=8).start()
+    assert isinstance(info.value.__cause__, FileNotFoundError)
 
     def no_space(fd, off, n):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     off = kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=8)
-    with pytest.raises(kvoffload.OffloadError, match="cannot reserve"):
+    with pytest.raises(kvoffload.StartError, match="cannot reserve"):
         off.start()
     assert not (tmp_path / "kv").exists()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload")]
