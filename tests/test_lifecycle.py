@@ -351,7 +351,6 @@ async def test_async_with_keeps_the_event_loop_responsive_while_start_and_close_
 
     monkeypatch.setattr(offloader_module, "Storage", slow_storage)
     path = tmp_path / "kv"
-    # small chunks: small bounce buffers (hostmem maps them with the GIL held, see the xfail below)
     off = kvoffload.Offloader(random_caches(16, seed=5), host_blocks=4, disk_path=path, disk_blocks=8, chunk_bytes=64 << 10)
 
     async def body() -> None:
@@ -368,11 +367,6 @@ async def test_async_with_keeps_the_event_loop_responsive_while_start_and_close_
     assert gap < 0.1, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
-@pytest.mark.xfail(
-    reason="hostmem.HostBuffer maps the slab with MAP_POPULATE, and CPython 3.11's mmap() holds the GIL meanwhile "
-    "(~0.3 s per GiB): the loop stalls although start() runs on its own thread; needs a change in hostmem.py",
-    strict=False,
-)
 @pytest.mark.asyncio
 async def test_async_with_a_1_gib_host_tier_keeps_the_event_loop_responsive():
     caches = random_caches(16, seed=5)

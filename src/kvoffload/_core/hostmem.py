@@ -16,8 +16,10 @@ from .errors import OffloadError
 
 __all__ = ["HostBuffer"]
 
-# Fault the pages in at allocation (pinning does it anyway), not in the first copy.
-_MMAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+# No MAP_POPULATE: mmap() holds the GIL while it faults pages in (about 0.3 s per GiB), which would
+# stall every other thread of the process, the caller's event loop included. The pages are faulted
+# in by a torch fill instead, which releases the GIL (pinning would fault them in anyway).
+_MMAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 class HostBuffer:
@@ -29,6 +31,7 @@ class HostBuffer:
         self._device_index = 0 if pin is None or pin.index is None else pin.index
         self._mmap: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1), flags=_MMAP_FLAGS)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.tensor.zero_()  # fault the pages in now, not in the first copy; releases the GIL
         self.address = self.tensor.data_ptr() if nbytes else 0
         if pin is not None and nbytes:
             from .cuda.driver import CudaError, host_register
