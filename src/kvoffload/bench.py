@@ -145,20 +145,19 @@ def _fmt_row(r: dict[str, Any]) -> str:
 # scenarios
 
 
-def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any) -> None:
-    """Host store/load, contiguous and random ids; both directions at once."""
+def _host_ceilings(nbytes: int, dev: torch.device) -> tuple[float, float, float | None]:
+    """One large copy GPU->host, host->GPU, and both at once (GPU only), in GB/s."""
     from ._core.hostmem import HostBuffer
 
-    n = lay.blocks_for(gib)
-    nbytes = n * lay.block_bytes
-    rep.begin(f"host tier: {nbytes / 2**30:.2f} GiB per transfer, ceiling = one large copy")
     hb = HostBuffer(2 * nbytes, pin=dev if dev.type == "cuda" else None)
-    dbuf = torch.empty(2 * nbytes, dtype=torch.uint8, device=dev)
-    h1, h2 = hb.tensor[:nbytes], hb.tensor[nbytes:]
-    d1, d2 = dbuf[:nbytes], dbuf[nbytes:]
-    ceil_d2h = _best_gbps(nbytes, lambda: h1.copy_(d1, non_blocking=True), dev)
-    ceil_h2d = _best_gbps(nbytes, lambda: d1.copy_(h1, non_blocking=True), dev)
-    if dev.type == "cuda":
+    try:
+        dbuf = torch.empty(2 * nbytes, dtype=torch.uint8, device=dev)
+        h1, h2 = hb.tensor[:nbytes], hb.tensor[nbytes:]
+        d1, d2 = dbuf[:nbytes], dbuf[nbytes:]
+        ceil_d2h = _best_gbps(nbytes, lambda: h1.copy_(d1, non_blocking=True), dev)
+        ceil_h2d = _best_gbps(nbytes, lambda: d1.copy_(h1, non_blocking=True), dev)
+        if dev.type != "cuda":
+            return ceil_d2h, ceil_h2d, None
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def both() -> None:
@@ -169,11 +168,17 @@ def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
             s1.synchronize()
             s2.synchronize()
 
-        ceil_both = _best_gbps(2 * nbytes, both, dev)
-    else:
-        ceil_both = None
-    del dbuf, d1, d2  # free device memory before the cache is built
-    hb.close()
+        return ceil_d2h, ceil_h2d, _best_gbps(2 * nbytes, both, dev)
+    finally:
+        hb.close()
+
+
+def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any) -> None:
+    """Host store/load, contiguous and random ids; both directions at once."""
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"host tier: {nbytes / 2**30:.2f} GiB per transfer, ceiling = one large copy")
+    ceil_d2h, ceil_h2d, ceil_both = _host_ceilings(nbytes, dev)  # its buffers are freed before the cache is built
 
     caches = lay.cache(2 * n, dev)
     ids = {"contiguous": list(range(n)), "random": torch.randperm(2 * n).tolist()[:n]}

@@ -1,0 +1,235 @@
+"""What ``start()`` creates (host slab, disk file, worker loops) and how it is released.
+
+A :class:`Runtime` may be closed from any thread, any number of times. Every
+runtime of the process that is not yet fully closed is registered here, so that
+the exit handler can close it (the disk file holds user prompts and must not
+outlive the process), and so that a forked child leaves its parent's alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .cuda.events import make_bridge
+from .errors import CloseError
+from .helper_threads import HelperThread, on_worker_thread
+from .lane import CopyCalls, Lane
+from .layout import BlockLayout
+from .loops import LoopThread
+from .movers import make_mover
+from .options import Options
+from .tiers.disk import DiskTier
+from .tiers.storage import Storage
+
+__all__ = ["Runtime", "finalize_runtime", "process_generation"]
+
+log = logging.getLogger("kvoffload")
+
+
+# -- process-wide bookkeeping -----------------------------------------------------------
+#
+# _live holds every runtime of this process not yet fully closed, by strong reference: a runtime
+# whose close() failed (a stuck thread) stays here, so that the exit handler can finish it, or at
+# least remove its disk file (it holds user prompts). A forked child inherits copies of the
+# parent's runtimes; they move to _inherited, are never closed nor collected there (their file,
+# pinning and threads are the parent's), and every offloader made before the fork refuses use.
+
+_EXIT_TIMEOUT_S = 5.0
+_live: set[Runtime] = set()
+_live_lock = threading.Lock()
+_inherited: list[Runtime] = []
+_generation = 0
+"""Bumped in every forked child: objects made under another generation belong to an ancestor process."""
+
+
+def _after_fork_in_child() -> None:
+    global _generation, _live_lock
+    _generation += 1
+    _live_lock = threading.Lock()  # another thread may have held it at fork time
+    for rt in _live:
+        rt.inherit()
+    _inherited.extend(_live)
+    _live.clear()
+
+
+def _close_all_at_exit() -> None:
+    with _live_lock:
+        runtimes = list(_live)
+    for rt in runtimes:
+        try:
+            rt.close(_EXIT_TIMEOUT_S)
+        except Exception as e:  # a thread is stuck: at least the user's data must not outlive us
+            log.warning("kvoffload: closing an offloader at exit failed (%s); removing its disk file", e)
+            rt.remove_disk_file()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)
+
+
+def process_generation() -> int:
+    """How many forks separate this process from the one that imported kvoffload first."""
+    return _generation
+
+
+def _check_host_memory(nbytes: int) -> None:
+    """Fail at once, not after minutes of paging or an OOM kill, when the slab cannot fit in RAM."""
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if phys > 0 and nbytes > phys:
+        raise MemoryError(f"the host tier needs {nbytes / 2**30:.2f} GiB, more than this machine's {phys / 2**30:.2f} GiB of memory")
+
+
+class Runtime:
+    """Everything ``start()`` creates; closed by ``close()``, when the offloader is collected, or at exit.
+
+    ``close()`` may be called from any thread, any number of times: on a worker thread it hands the
+    shutdown to a ``kvoffload-close`` thread; after a timeout a later call finishes the job.
+    """
+
+    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options) -> None:
+        self.pid = os.getpid()
+        self.generation = _generation
+        self.layout = layout
+        self.storage: Storage | None = None
+        self.lanes: list[Lane] = []
+        self.copy_calls = CopyCalls()
+        self.closed = False
+        """True once everything is released (threads joined, memory freed, file removed)."""
+        self.inherited = False
+        self._disk_left: DiskTier | None = None  # a disk tier whose IO threads did not stop in time
+        self._close_lock = threading.Lock()
+        self._closer_lock = threading.Lock()
+        self._closer: threading.Thread | None = None
+        with _live_lock:
+            _live.add(self)
+        try:
+            _check_host_memory(opts.host_blocks * layout.slot_bytes)
+            self.storage = Storage(
+                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks,
+                chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
+                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
+            )
+            for name in ("store", "load"):
+                thread = LoopThread(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
+                try:
+                    mover = make_mover(layout, caches, chunk_bytes=opts.chunk_bytes, use_batch_copy=opts.use_batch_copy)
+                    bridge = make_bridge(opts.completion, thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
+                except BaseException:
+                    thread.stop(5.0)
+                    raise
+                self.lanes.append(Lane(thread, mover, bridge, self.copy_calls))
+        except BaseException:
+            try:
+                self._close_now(5.0)
+            except BaseException:  # stays in _live: the exit handler tries again
+                log.exception("kvoffload: cleaning up after a failed start did not finish")
+            raise
+
+    def close(self, timeout: float) -> None:
+        """Release everything; from any thread. Raises CloseError if a thread did not stop in time."""
+        if self.closed or self.inherited or self.generation != _generation:
+            return
+        if on_worker_thread():
+            self._close_in_background(timeout)
+            return
+        if not self._close_lock.acquire(timeout=max(timeout, 0.0)):
+            raise CloseError(f"another close() of this offloader did not finish within {timeout} s")
+        try:
+            if not self.closed:
+                self._close_now(timeout)
+        finally:
+            self._close_lock.release()
+        closer = self._closer  # a handed-off close that found the work done: let it end too
+        if closer is not None and closer is not threading.current_thread():
+            closer.join(timeout)
+
+    def _close_in_background(self, timeout: float) -> None:
+        with self._closer_lock:
+            if self._closer is not None and self._closer.is_alive():
+                return
+            self._closer = HelperThread(target=self._close_logged, args=(timeout,), name="kvoffload-close")
+            try:
+                self._closer.start()
+            except RuntimeError as e:  # interpreter shutting down: the exit handler closes it
+                log.warning("kvoffload: could not start a thread to close the offloader (%s)", e)
+
+    def _close_logged(self, timeout: float) -> None:
+        try:
+            self.close(timeout)
+        except Exception:
+            log.exception("kvoffload: closing the offloader failed; call close() again to finish")
+
+    def _close_now(self, timeout: float) -> None:
+        stuck = [lane.thread.name for lane in self.lanes if not lane.thread.stop(timeout)]
+        if stuck:  # never free memory a live thread may still copy into
+            raise CloseError(
+                f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"
+            )
+        for lane in self.lanes:
+            if lane.bridge is not None:
+                lane.bridge.close()
+            lane.mover.close()
+        self.lanes = []
+        storage, self.storage = self.storage, None
+        if storage is not None:
+            disk = storage.disk
+            if not storage.close(timeout):
+                self._disk_left = disk
+                raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
+        elif self._disk_left is not None:
+            if not self._disk_left.close(timeout):
+                raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
+            self._disk_left = None
+        self.closed = True
+        with _live_lock:
+            _live.discard(self)
+
+    def inherit(self) -> None:
+        """In a forked child: this runtime is the parent's. Never close it nor unpin its memory here."""
+        self.inherited = True
+        buffers = self.storage.host_buffers() if self.storage is not None else []
+        buffers += self._disk_left.bounce_buffers() if self._disk_left is not None else []
+        for b in buffers:
+            b.pinned = False  # HostBuffer.close() would unregister the parent's pinning
+
+    def remove_disk_file(self) -> None:
+        """Last resort at exit after a failed close: unlink the disk file if the path is still ours."""
+        disk = self.storage.disk if self.storage is not None else self._disk_left
+        if disk is None or disk.file.fd < 0:
+            return
+        try:
+            ours, there = os.fstat(disk.file.fd), os.stat(disk.file.path, follow_symlinks=False)
+            if (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino):
+                os.unlink(disk.file.path)
+        except OSError:
+            pass
+
+
+def finalize_runtime(rt: Runtime) -> None:
+    """weakref.finalize callback of an unclosed offloader (may run on any thread, a worker's included)."""
+    try:
+        rt.close(_EXIT_TIMEOUT_S)
+    except Exception as e:
+        log.warning("kvoffload: closing a collected offloader failed (%s); it is retried at exit", e)
+
+
+def _init_worker_thread(device: torch.device) -> Callable[[], None]:
+    def init() -> None:
+        # Copies here are memory bound; an OpenMP team per worker thread only
+        # contends with the caller's (measured on 2 cores: 64 KiB slice copies
+        # 6x slower with the default team). The setting is per thread.
+        torch.set_num_threads(1)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    return init
