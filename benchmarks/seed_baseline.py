@@ -1,7 +1,8 @@
 """The "seed-style" baseline that kvoffload's benchmark compares against.
 
-A re-implementation of the *shape* of vLLM's simple CPU-offload backends (see
-``/work/shared/reference``), written from their description, not their code:
+A re-implementation of the *shape* of vLLM's simple CPU-offload backends (its
+CPU offloading connector's host copy and its disk backend), written from their
+description, not their code:
 
 - :class:`HostBaseline`: a host copy of the cache laid out per tensor, one
   background thread per direction fed by a ``queue.SimpleQueue``. On CUDA each job

@@ -1,4 +1,4 @@
-"""CUDA paths: run on the GPU machine by scripts/gpu_check.sh; skipped without CUDA."""
+"""CUDA paths: run on a GPU machine by scripts/gpu_check.sh; skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ scatters chunk N while the copy stream DMAs chunk N-1, through two staging
 buffers used in turn. Events order each buffer's reuse.
 
 Staging costs one kernel launch per tensor per chunk (20-40 us of CPU each
-on the H200 machine, so about a millisecond for a 32-layer cache), which
+on an H200, so about a millisecond for a 32-layer cache), which
 only pays off for large chunks. Small chunks (at most ``direct_max_copies`` pieces, e.g. one or a few
 blocks) are copied directly, one batched descriptor per (tensor, block).
 
