@@ -10,15 +10,15 @@ import sys
 def test_bench_command_small(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench", "--gib", "0.01", "--disk-gib", "0.01", "--small", "200",
+        [sys.executable, "-m", "kvoffload.bench", "--gib", "0.01", "--disk-gib", "0.01", "--small", "200", "--busy-seconds", "0.3",
          "--layout", "4x2x16x8x128:bf16", "--disk-dir", str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "scenario" in proc.stdout and "[1/4" in proc.stdout  # progress, then the table
+    assert "scenario" in proc.stdout and "[1/5" in proc.stdout  # progress, then the table
     data = json.loads(out.read_text())
     names = {r["scenario"] for r in data["rows"]}
-    assert {"host store, random ids", "disk load (no host tier)", "one-block transfers"} <= names
+    assert {"host store, random ids", "store+load, another thread busy", "disk load (no host tier)", "one-block transfers"} <= names
     for r in data["rows"]:
         assert r["kvoffload"] > 0
     assert list(tmp_path.iterdir()) == [out]  # the bench removed its disk files

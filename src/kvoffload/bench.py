@@ -226,6 +226,105 @@ def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
     rep.row("host store + load at once", "GB/s", results["both"], ceil_both, bres.get("both"))
 
 
+def _python_work(seconds: float, until: Callable[[], bool] | None = None) -> float:
+    """A pure-Python loop (what a serving engine's thread does between kernel launches) for
+    ``seconds`` or until ``until()``; returns its iterations per second."""
+    n, d = 0, {}
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end and not (until is not None and until()):
+        for i in range(1000):
+            d[i & 63] = i * 3
+        n += 1
+    return n / max(time.perf_counter() - t0, 1e-9)
+
+
+def _rounds_gbps(round_trip: Callable[[], int], seconds: float, busy_other: bool) -> tuple[float, float]:
+    """GB/s of store+load round trips run back to back on a thread of their own for ``seconds``,
+    with the main thread idle (sleeping) or busy in Python; returns (GB/s, Python it/s meanwhile)."""
+    stop = threading.Event()
+    moved = [0]
+    errors: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            while not stop.is_set():
+                moved[0] += round_trip()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    round_trip()  # warm up
+    th = threading.Thread(target=drive, name="bench-driver")
+    t0 = time.perf_counter()
+    th.start()
+    rate = 0.0
+    if busy_other:
+        rate = _python_work(seconds)
+    else:
+        time.sleep(seconds)
+    stop.set()
+    th.join()
+    if errors:
+        raise errors[0]
+    return moved[0] / (time.perf_counter() - t0) / 1e9, rate
+
+
+def busy_caller_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: Any, seconds: float = 2.0) -> None:
+    """Bulk store+load GB/s while the process's Python is busy, against the same with it idle.
+
+    *another thread busy*: a pure-Python loop runs on the main thread while a second thread drives
+    round trips (store, load, discard). *caller busy*: the thread that calls ``store()``/``load()``
+    runs the Python loop until each transfer is done. The baseline runs the first variant.
+    """
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"busy caller: {nbytes / 2**30:.2f} GiB store+load round trips, Python busy vs idle")
+    caches = lay.cache(2 * n, dev)
+    ids = torch.randperm(2 * n).tolist()[:n]
+    alone = _python_work(min(seconds, 1.0))
+    with Offloader(caches, host_blocks=n) as off:
+
+        def kvo_round() -> int:
+            off.store({i: ids[i] for i in range(n)}).result()
+            off.load({i: 2 * n - 1 - i for i in range(n)}).result()
+            off.discard(range(n))
+            return 2 * nbytes
+
+        def kvo_round_busy_caller() -> int:
+            store = off.store({i: ids[i] for i in range(n)})
+            _python_work(60.0, until=store.done)
+            store.result()
+            load = off.load({i: 2 * n - 1 - i for i in range(n)})
+            _python_work(60.0, until=load.done)
+            load.result()
+            off.discard(range(n))
+            return 2 * nbytes
+
+        idle, _ = _rounds_gbps(kvo_round, seconds, busy_other=False)
+        busy, rate = _rounds_gbps(kvo_round, seconds, busy_other=True)
+        caller, _ = _rounds_gbps(kvo_round_busy_caller, seconds, busy_other=False)
+    b_idle = b_busy = None
+    if base is not None:
+        hbase = base.HostBaseline(caches, n)
+        try:
+
+            def base_round() -> int:
+                hbase.wait(hbase.store([(ids[i], i) for i in range(n)]))
+                hbase.wait(hbase.load([(i, 2 * n - 1 - i) for i in range(n)]))
+                return 2 * nbytes
+
+            b_idle, _ = _rounds_gbps(base_round, seconds, busy_other=False)
+            b_busy, _ = _rounds_gbps(base_round, seconds, busy_other=True)
+        finally:
+            hbase.close()
+    rep.extra["busy_caller"] = {"idle": idle, "other_busy": busy, "caller_busy": caller, "baseline_idle": b_idle,
+                                "baseline_other_busy": b_busy, "python_alone_its": alone, "python_beside_kvoffload_its": rate}
+    rep.row("store+load, all threads idle", "GB/s", idle, None, b_idle)
+    rep.row("store+load, another thread busy", "GB/s", busy, idle, b_busy,
+            note=f"ceiling = idle; the busy loop ran at {rate / alone:.2f} of alone")
+    rep.row("store+load, calling thread busy", "GB/s", caller, idle, None, note="ceiling = idle")
+
+
 class RawDirectIo:
     """The disk ceiling: ``threads`` threads doing O_DIRECT pwritev / preadv of ``nbytes`` in 8 MiB calls."""
 
@@ -494,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,disk,small,latency")
+    p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,disk,small,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -506,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     lay = Layout(args.layout)
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
-    todo = [s for s in ("host", "disk", "small", "latency") if s not in skip]
+    todo = [s for s in ("host", "busy", "disk", "small", "latency") if s not in skip]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -517,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     gib = args.gib or (2.0 if cuda else 0.25)
     if "host" in todo:
         host_scenarios(rep, lay, gib, dev, base)
+    if "busy" in todo:
+        busy_caller_scenarios(rep, lay, min(gib, 0.5), dev, base, args.busy_seconds)
     if "disk" in todo:
         disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
     if "small" in todo:

@@ -15,6 +15,7 @@ already submitted before the exception propagates.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .foreign import call_foreign
 from .loops import LoopThread
 from .movers import BlockMover
 
-__all__ = ["Lane", "CopyRequest", "CopyCalls"]
+__all__ = ["Lane", "CopyRequest", "CopyCalls", "Enqueued"]
 
 C = TypeVar("C")
 
@@ -65,6 +66,25 @@ class CopyCalls:
     to_device: Callable[[BlockMover, torch.Tensor, Sequence[int], Sequence[int]], Any] = _to_device
 
 
+@dataclass(eq=False)
+class Enqueued:
+    """Copies submitted by :meth:`Lane.enqueue`: one completion event per request, in order, and
+    the error that stopped the submission (the requests after it were not submitted)."""
+
+    events: list[Any]
+    error: Exception | None
+
+    def settle(self) -> None:
+        """Block until every submitted copy has completed (a cleanup path: never raises)."""
+        for event in reversed(self.events):  # in stream order: the last one covers all
+            if event is not None:
+                try:
+                    event.synchronize()
+                except Exception:  # a failed device: nothing more will be written
+                    pass
+                return
+
+
 class Lane:
     """Loop thread + mover + bridge for one direction."""
 
@@ -76,6 +96,48 @@ class Lane:
         self.depth = depth
         self._pending: list[CopyRequest] = []
         self._flush_scheduled = False
+        self._submit_lock = threading.Lock()
+        """Held while the mover enqueues: callers' threads (:meth:`enqueue`) and the loop (:meth:`copy`) share it."""
+
+    def _submit(self, to_host: bool, host: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> Any:
+        if to_host:
+            return call_foreign("copy to host", self.calls.to_host, self.mover, ids, host, rows)
+        return call_foreign("copy to device", self.calls.to_device, self.mover, host, rows, ids)
+
+    # -- submission at call time ---------------------------------------------------------
+
+    def enqueue(self, requests: Sequence[CopyRequest], after: Any) -> Enqueued:
+        """Submit every request now, in the calling thread, after ``after`` (an event, or None).
+
+        For GPU caches this only enqueues work on the mover's streams, so the
+        copies run with no Python step between them, whatever the calling
+        thread or the worker loop do meanwhile. Stops at the first error.
+        """
+        events: list[Any] = []
+        with self._submit_lock:
+            try:
+                if after is not None:
+                    self.mover.wait_for(after)
+                for r in requests:
+                    events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
+            except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
+                return Enqueued(events, e)
+        return Enqueued(events, None)
+
+    async def completed(self, enqueued: Enqueued, landed: Callable[[int], Any]) -> None:
+        """Wait for the copies of ``enqueued`` in order, ``landed(i)`` as request ``i``'s completes;
+        then raise the submission's error, if any. On cancellation, waits for every submitted copy
+        before ``CancelledError`` propagates."""
+        try:
+            for i, event in enumerate(enqueued.events):
+                await self.wait(event)
+                landed(i)
+        except BaseException:
+            if enqueued.events:
+                await self.settle(enqueued.events[-1])
+            raise
+        if enqueued.error is not None:
+            raise enqueued.error
 
     # -- coalesced submission ---------------------------------------------------------
 
@@ -121,10 +183,8 @@ class Lane:
             ids = [b for r in batch for b in r.block_ids] if len(batch) > 1 else first.block_ids
             rows = [x for r in batch for x in r.rows] if len(batch) > 1 else first.rows
             try:
-                if first.to_host:
-                    event = call_foreign("copy to host", self.calls.to_host, self.mover, ids, first.host, rows)
-                else:
-                    event = call_foreign("copy to device", self.calls.to_device, self.mover, first.host, rows, ids)
+                with self._submit_lock:
+                    event = self._submit(first.to_host, first.host, rows, ids)
             except Exception as e:  # OSError or ForeignCallError: fails the transfers of this batch only
                 for r in batch:
                     if not r.future.done():

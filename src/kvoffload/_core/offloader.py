@@ -236,8 +236,10 @@ class Offloader:
                 t = Transfer("store")
                 t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
                 return t
+            lane, after = self._lane(0), self._ordering_event(after)
+            storage.enqueue_store(lane, plan, after)
             return self._launch(
-                self._lane(0), "store", lambda lane, ev: storage.run_store(lane, plan, ev), lambda: storage.end_store(plan), after
+                lane, "store", lambda lane, ev: storage.run_store(lane, plan, ev), lambda: storage.end_store(plan), after
             )
 
     def load(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
@@ -259,8 +261,10 @@ class Offloader:
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
                 return t
             plan = storage.plan_load(checked)
+            lane, after = self._lane(1), self._ordering_event(after)
+            storage.enqueue_load(lane, plan, after)
             return self._launch(
-                self._lane(1), "load", lambda lane, ev: storage.run_load(lane, plan, ev), lambda: storage.end_load(plan), after
+                lane, "load", lambda lane, ev: storage.run_load(lane, plan, ev), lambda: storage.end_load(plan), after
             )
 
     def _check_after(self, after: object) -> None:
@@ -271,6 +275,13 @@ class Offloader:
         if not isinstance(after, torch.cuda.Event):
             raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
 
+    def _ordering_event(self, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """What the copies wait for: ``after``, else (GPU caches) an event recorded now on the caller's stream."""
+        if self._cuda and after is None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._layout.device))
+        return after
+
     def _launch(
         self,
         lane: Lane,
@@ -279,10 +290,7 @@ class Offloader:
         cleanup: Callable[[], None],
         after: torch.cuda.Event | None,
     ) -> Transfer:
-        """Record the ordering event and start the worker task (called under the lock)."""
-        if self._cuda and after is None:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self._layout.device))
+        """Start the worker task that runs (or follows) the transfer (called under the lock)."""
         transfer = Transfer(kind)
         self._counters.started()
 

@@ -60,6 +60,7 @@ class CudaMover:
         self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
 
     def wait_for(self, event: Any) -> None:
+        """Every later copy waits for ``event``. Called with the lane's submit lock held."""
         # Both streams touch cache blocks: kernels when staged, DMA when direct.
         self.kernel_stream.wait_event(event)
         self.copy_stream.wait_event(event)
@@ -109,6 +110,14 @@ class CudaMover:
         return ev
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> torch.cuda.Event:
+        with torch.cuda.device(self._layout.device):  # any calling thread: a caller's, or a worker loop
+            return self._to_host(block_ids, host, rows)
+
+    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
+        with torch.cuda.device(self._layout.device):
+            return self._to_device(host, rows, block_ids)
+
+    def _to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> torch.cuda.Event:
         n = len(block_ids)
         assert n <= self.chunk_blocks
         if self._direct(n):
@@ -127,7 +136,7 @@ class CudaMover:
         done = self._staging_free[b] = self._record(self.copy_stream)
         return done
 
-    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
+    def _to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
         n = len(block_ids)
         assert n <= self.chunk_blocks
         if self._direct(n):

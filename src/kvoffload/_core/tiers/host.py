@@ -40,21 +40,21 @@ class HostTier:
         """The slots as a numpy ``uint8[slots, slot_bytes]`` view (for disk IO)."""
         return self.rows.numpy()
 
+    def requests_in(self, pairs: Sequence[tuple[int, int]], chunk_blocks: int) -> list[CopyRequest]:
+        """Copies of cache blocks into slots (``(block id, slot)`` pairs), one per chunk of ``chunk_blocks``."""
+        return [CopyRequest(True, self.rows, [b for b, _ in c], [s for _, s in c]) for c in chunked(pairs, chunk_blocks)]
+
+    def requests_out(self, pairs: Sequence[tuple[int, int]], chunk_blocks: int) -> list[CopyRequest]:
+        """Copies of slots into cache blocks (``(slot, block id)`` pairs), one per chunk of ``chunk_blocks``."""
+        return [CopyRequest(False, self.rows, [b for _, b in c], [s for s, _ in c]) for c in chunked(pairs, chunk_blocks)]
+
     async def copy_in(self, lane: Lane, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
-        """Copy cache blocks into slots (``(block id, slot)`` pairs); ``landed(n)`` after each chunk of n."""
-        await lane.pipeline(
-            chunked(pairs, lane.mover.chunk_blocks),
-            lambda chunk: CopyRequest(True, self.rows, [b for b, _ in chunk], [s for _, s in chunk]),
-            lambda chunk: landed(len(chunk)),
-        )
+        """Copy cache blocks into slots (``(block id, slot)`` pairs) on the lane's loop; ``landed(n)`` after each chunk of n."""
+        await lane.pipeline(self.requests_in(pairs, lane.mover.chunk_blocks), lambda r: r, lambda r: landed(len(r.block_ids)))
 
     async def copy_out(self, lane: Lane, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy slots into cache blocks (``(slot, block id)`` pairs)."""
-        await lane.pipeline(
-            chunked(pairs, lane.mover.chunk_blocks),
-            lambda chunk: CopyRequest(False, self.rows, [b for _, b in chunk], [s for s, _ in chunk]),
-            lambda chunk: None,
-        )
+        """Copy slots into cache blocks (``(slot, block id)`` pairs) on the lane's loop."""
+        await lane.pipeline(self.requests_out(pairs, lane.mover.chunk_blocks), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

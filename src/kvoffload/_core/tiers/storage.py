@@ -19,7 +19,7 @@ from typing import Any
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..lane import Lane
+from ..lane import Enqueued, Lane
 from ..layout import BlockLayout
 from ..transfer import TransferResult
 from .disk import DiskTier
@@ -37,6 +37,8 @@ class StorePlan:
     started: float = field(default_factory=time.perf_counter)
     published: int = 0
     finished: bool = False
+    enqueued: Enqueued | None = None
+    """Copies submitted at call time (see :meth:`Storage.enqueue_store`); None: the worker copies."""
 
 
 @dataclass
@@ -47,6 +49,8 @@ class LoadPlan:
     block_ids: list[int]
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
+    enqueued: Enqueued | None = None
+    """Copies submitted at call time (see :meth:`Storage.enqueue_load`); None: the worker copies."""
 
 
 class Storage:
@@ -87,26 +91,45 @@ class Storage:
         r = self.index.reserve(blocks)
         return StorePlan(r, [blocks[e.key] for e in r.entries])
 
+    def enqueue_store(self, lane: Lane, plan: StorePlan, after: Any) -> bool:
+        """Submit the whole store now, in the caller's thread, if it can be: a GPU cache into host
+        slots that need no spill. Its copies then run on the GPU with no Python step between chunks,
+        however busy the caller's or the worker's thread; the worker only follows completion."""
+        if not self.layout.is_cuda or self.index.store_tier != HOST or plan.reservation.spills:
+            return False
+        assert self.host is not None
+        pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
+        plan.enqueued = lane.enqueue(self.host.requests_in(pairs, lane.mover.chunk_blocks), after)
+        return True
+
     async def run_store(self, lane: Lane, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
+        entries = plan.reservation.entries
+        if plan.enqueued is not None:
+            chunk = lane.mover.chunk_blocks
+            await lane.completed(plan.enqueued, lambda i: self._publish(plan, min(chunk, len(entries) - i * chunk)))
+            return self._store_result(plan)
         if after is not None:
             lane.mover.wait_for(after)
-        entries = plan.reservation.entries
         if plan.reservation.spills:
             await self._spill(plan)
-
-        def landed(n: int) -> None:
-            self.index.publish(entries[plan.published : plan.published + n])
-            plan.published += n
 
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, entries)]
         if self.index.store_tier == HOST:
             assert self.host is not None
-            await self.host.copy_in(lane, pairs, landed)
+            await self.host.copy_in(lane, pairs, lambda n: self._publish(plan, n))
         else:
             assert self.disk is not None
-            await self.disk.store(lane, pairs, landed)
-        keys = tuple(e.key for e in entries)
+            await self.disk.store(lane, pairs, lambda n: self._publish(plan, n))
+        return self._store_result(plan)
+
+    def _publish(self, plan: StorePlan, n: int) -> None:
+        """The store's next ``n`` entries have landed: make them visible."""
+        self.index.publish(plan.reservation.entries[plan.published : plan.published + n])
+        plan.published += n
+
+    def _store_result(self, plan: StorePlan) -> TransferResult:
+        keys = tuple(e.key for e in plan.reservation.entries)
         return TransferResult(
             "store", keys, tuple(plan.reservation.skipped), len(keys) * self.layout.block_bytes,
             time.perf_counter() - plan.started,
@@ -138,6 +161,8 @@ class Storage:
         if plan.finished:
             return
         plan.finished = True
+        if plan.enqueued is not None:  # cancelled before the worker followed it: let the GPU finish first
+            plan.enqueued.settle()
         for s in plan.reservation.spills:
             self.index.spill_failed(s)  # no-op for spills that ended
         self.index.abort(plan.reservation.entries[plan.published :])
@@ -149,8 +174,21 @@ class Storage:
         keys = list(blocks)
         return LoadPlan(self.index.pin(keys), [blocks[k] for k in keys])
 
+    def enqueue_load(self, lane: Lane, plan: LoadPlan, after: Any) -> bool:
+        """Submit the whole load now, in the caller's thread, if it can be: a GPU cache and every key
+        in host memory (see :meth:`enqueue_store`)."""
+        if not self.layout.is_cuda or any(p.tier != HOST for p in plan.pins):
+            return False
+        assert self.host is not None
+        pairs = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)]
+        plan.enqueued = lane.enqueue(self.host.requests_out(pairs, lane.mover.chunk_blocks), after)
+        return True
+
     async def run_load(self, lane: Lane, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
+        if plan.enqueued is not None:
+            await lane.completed(plan.enqueued, lambda i: None)
+            return self._load_result(plan)
         if after is not None:
             lane.mover.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
@@ -161,6 +199,9 @@ class Storage:
         if from_disk:
             assert self.disk is not None
             await self.disk.load(lane, from_disk)
+        return self._load_result(plan)
+
+    def _load_result(self, plan: LoadPlan) -> TransferResult:
         keys = tuple(p.entry.key for p in plan.pins)
         return TransferResult("load", keys, (), len(keys) * self.layout.block_bytes, time.perf_counter() - plan.started)
 
@@ -168,6 +209,8 @@ class Storage:
         """Release the load's pins (idempotent)."""
         if not plan.released:
             plan.released = True
+            if plan.enqueued is not None:  # cancelled before the worker followed it: let the GPU finish first
+                plan.enqueued.settle()
             self.index.unpin(plan.pins)
 
     def disk_io(self) -> IoCalls | None:
