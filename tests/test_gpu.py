@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -45,6 +46,57 @@ async def test_round_trip_random_ids(completion, use_batch_copy, chunk_blocks):
 
 def caches_block(caches):
     return kvoffload.BlockLayout.of(caches).slot_bytes
+
+
+def test_the_copy_kernel_compiles_with_nvrtc():
+    from kvoffload._core.cuda.kernels import piece_kernel
+
+    assert piece_kernel(torch.cuda.current_device()) is not None, "NVRTC did not compile the copy kernel (see the log)"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ["kernel", "torch"])
+async def test_round_trip_of_more_blocks_than_one_launch_takes(monkeypatch, engine):
+    # 2,500 blocks of odd-sized pieces in one chunk: three kernel launches per gather and per scatter.
+    if engine == "torch":  # the fallback where NVRTC is unavailable
+        monkeypatch.setattr("kvoffload._core.cuda.mover.piece_kernel", lambda device_index: None)
+    caches = gpu_caches(3000, seed=4)
+    orig = {n: t.clone() for n, t in caches.items()}
+    g = torch.Generator().manual_seed(2)
+    src = torch.randperm(3000, generator=g).tolist()[:2500]
+    dst = torch.randperm(3000, generator=g).tolist()[:2500]
+    async with kvoffload.Offloader(caches, host_blocks=2500) as off:
+        await off.store({i: src[i] for i in range(2500)})
+        for t in caches.values():
+            t.zero_()
+        await off.load({i: dst[i] for i in range(2500)})
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][dst], orig[n][src]), n
+
+
+def test_transfers_from_a_thread_that_never_used_cuda():
+    # store() and load() enqueue their copies in the calling thread; one that never touched CUDA
+    # gets the device's context made current, and the transfers round-trip.
+    caches = gpu_caches(64, seed=6)
+    orig = {n: t.clone() for n, t in caches.items()}
+    with kvoffload.Offloader(caches, host_blocks=64) as off:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                off.store({i: i for i in range(64)}).result(30)
+                off.load({i: 63 - i for i in range(64)}).result(30)
+            except BaseException as e:
+                errors.append(e)
+
+        th = threading.Thread(target=run)
+        th.start()
+        th.join(60)
+        assert not errors, errors
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][list(range(63, -1, -1))], orig[n]), n
 
 
 def test_batch_copy_resolved_and_slab_pinned():

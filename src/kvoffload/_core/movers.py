@@ -24,6 +24,10 @@ class BlockMover(Protocol):
 
     chunk_blocks: int
 
+    def caller_event(self) -> Any:
+        """An event recorded now on the calling thread's current stream, or None (CPU caches)."""
+        ...
+
     def wait_for(self, event: Any) -> None:
         """Make every later copy wait until ``event`` (caller's compute) has completed."""
         ...
@@ -58,8 +62,11 @@ class CpuMover:
         self._avg_piece = layout.block_bytes / len(layout.pieces)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
 
+    def caller_event(self) -> None:
+        return None  # CPU work is complete when the caller's call returns
+
     def wait_for(self, event: Any) -> None:
-        pass  # CPU work is complete when the caller's call returns
+        pass
 
     def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         starts, lengths = runs(block_ids, rows)

@@ -236,7 +236,8 @@ class Offloader:
                 t = Transfer("store")
                 t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
                 return t
-            lane, after = self._lane(0), self._ordering_event(after)
+            lane = self._lane(0)
+            after = self._ordering_event(lane, after)
             storage.enqueue_store(lane, plan, after)
             return self._launch(
                 lane, "store", lambda lane, ev: storage.run_store(lane, plan, ev), lambda: storage.end_store(plan), after
@@ -261,7 +262,8 @@ class Offloader:
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
                 return t
             plan = storage.plan_load(checked)
-            lane, after = self._lane(1), self._ordering_event(after)
+            lane = self._lane(1)
+            after = self._ordering_event(lane, after)
             storage.enqueue_load(lane, plan, after)
             return self._launch(
                 lane, "load", lambda lane, ev: storage.run_load(lane, plan, ev), lambda: storage.end_load(plan), after
@@ -275,20 +277,18 @@ class Offloader:
         if not isinstance(after, torch.cuda.Event):
             raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
 
-    def _ordering_event(self, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+    @staticmethod
+    def _ordering_event(lane: Lane, after: torch.cuda.Event | None) -> Any:
         """What the copies wait for: ``after``, else (GPU caches) an event recorded now on the caller's stream."""
-        if self._cuda and after is None:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self._layout.device))
-        return after
+        return after if after is not None else lane.mover.caller_event()
 
     def _launch(
         self,
         lane: Lane,
         kind: Literal["store", "load"],
-        run: Callable[[Lane, torch.cuda.Event | None], Awaitable[TransferResult]],
+        run: Callable[[Lane, Any], Awaitable[TransferResult]],
         cleanup: Callable[[], None],
-        after: torch.cuda.Event | None,
+        after: Any,
     ) -> Transfer:
         """Start the worker task that runs (or follows) the transfer (called under the lock)."""
         transfer = Transfer(kind)

@@ -18,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CudaError", "driver", "check", "context_for", "host_register", "host_unregister", "BatchCopy"]
+__all__ = [
+    "CudaError", "driver", "check", "context_for", "host_register", "host_unregister", "BatchCopy",
+    "enqueue_calls", "EnqueueCalls", "DriverEvent",
+]
 
 log = logging.getLogger("kvoffload")
 
@@ -141,7 +144,7 @@ class BatchCopy:
         if int(err) != 0 or not int(pfn):
             log.info("cuMemcpyBatchAsync not available: using cuMemcpyAsync per copy")
             return None
-        proto = ctypes.CFUNCTYPE(
+        proto = ctypes.PYFUNCTYPE(  # keeps the GIL: see EnqueueCalls
             ctypes.c_int,
             ctypes.c_void_p,  # CUdeviceptr* dsts
             ctypes.c_void_p,  # CUdeviceptr* srcs
@@ -182,3 +185,127 @@ class BatchCopy:
         for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             (err,) = cu.cuMemcpyAsync(d, s, z, stream)
             check("cuMemcpyAsync", err)
+
+
+# -- calls that enqueue work, made without releasing the GIL --------------------------------
+#
+# ctypes.CFUNCTYPE, torch and cuda-bindings release the GIL around each C call. When another
+# thread of the process runs Python, getting it back can take the whole switch interval (5 ms):
+# a transfer made of a few hundred such calls then crawls. The calls below only put work on a
+# stream or ask about it and return in microseconds, so they are made through ctypes.PYFUNCTYPE,
+# which keeps the GIL: a transfer is enqueued whole without handing the GIL to anyone.
+
+_VOID_P = ctypes.c_void_p
+
+
+class EnqueueCalls:
+    """Driver entry points (``cuGetProcAddress``) called while holding the GIL."""
+
+    def __init__(self) -> None:
+        cu = driver()
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+
+        def resolve(name: str, *argtypes: Any) -> Any:
+            err, pfn, _status = cu.cuGetProcAddress(name.encode(), 12000, flags)
+            check(f"cuGetProcAddress({name})", err)
+            if not int(pfn):
+                raise CudaError(f"cuGetProcAddress({name})", 500, "CUDA_ERROR_NOT_FOUND", "no such driver entry point")
+            return ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(int(pfn))
+
+        self.ctx_get_current = resolve("cuCtxGetCurrent", _VOID_P)
+        self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
+        self.event_destroy = resolve("cuEventDestroy", _VOID_P)
+        self.event_record = resolve("cuEventRecord", _VOID_P, _VOID_P)
+        self.event_query = resolve("cuEventQuery", _VOID_P)
+        self.stream_wait_event = resolve("cuStreamWaitEvent", _VOID_P, _VOID_P, ctypes.c_uint)
+        self.launch_kernel = resolve(
+            "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
+        )
+        self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+
+    def ensure_context(self, device_index: int) -> None:
+        """Make the device's primary context current in this thread if none is (once per thread)."""
+        ctx = ctypes.c_void_p(0)
+        err = self.ctx_get_current(ctypes.addressof(ctx))
+        if err:
+            check("cuCtxGetCurrent", err)
+        if ctx.value:
+            return
+        cu = driver()
+        err, dev = cu.cuDeviceGet(device_index)
+        check("cuDeviceGet", err)
+        err, primary = cu.cuDevicePrimaryCtxRetain(dev)  # the context torch uses too; kept retained
+        check("cuDevicePrimaryCtxRetain", err)
+        (err,) = cu.cuCtxSetCurrent(primary)
+        check("cuCtxSetCurrent", err)
+
+    def wait(self, stream: int, event_handle: int) -> None:
+        """Make ``stream`` wait for the event (a raw ``CUevent``)."""
+        err = self.stream_wait_event(stream, event_handle, 0)
+        if err:
+            check("cuStreamWaitEvent", err)
+
+
+@lru_cache(maxsize=1)
+def enqueue_calls() -> EnqueueCalls:
+    """The process's :class:`EnqueueCalls`, resolved on first use."""
+    return EnqueueCalls()
+
+
+CUDA_ERROR_NOT_READY = 600
+
+
+class DriverEvent:
+    """A blocking-sync CUDA event made, recorded and queried without releasing the GIL.
+
+    Quacks like the ``torch.cuda.Event`` the completion bridges watch: ``query()`` and
+    ``synchronize()`` (which does release the GIL: it is what a waiting thread does).
+    """
+
+    __slots__ = ("handle", "_calls", "_device")
+
+    def __init__(self, device_index: int) -> None:
+        self._calls = enqueue_calls()
+        self._device = device_index
+        out = ctypes.c_void_p(0)
+        err = self._calls.event_create(ctypes.addressof(out), self._calls.blocking_sync)
+        if err:
+            check("cuEventCreate", err)
+        self.handle: int = out.value or 0
+
+    def record(self, stream: int) -> DriverEvent:
+        """Record on ``stream`` (a raw ``CUstream``); returns self."""
+        err = self._calls.event_record(self.handle, stream)
+        if err:
+            check("cuEventRecord", err)
+        return self
+
+    def query(self) -> bool:
+        """True once the work recorded before the event has completed.
+
+        An error (a failed device) also counts as complete, so that no waiter hangs:
+        the copies are checked by their own calls.
+        """
+        err = self._calls.event_query(self.handle)
+        if err == CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            log.error("cuEventQuery failed with CUDA error %d; treating the event as complete", err)
+        return True
+
+    def synchronize(self) -> None:
+        """Block (asleep, the GIL released) until the event has completed."""
+        cu = driver()
+        with context_for(self._device):
+            (err,) = cu.cuEventSynchronize(cu.CUevent(self.handle))
+        if int(err):
+            log.error("cuEventSynchronize failed: %s", err)
+
+    def __del__(self) -> None:
+        if self.handle:
+            try:
+                self._calls.event_destroy(self.handle)
+            except Exception:
+                pass
+            self.handle = 0

@@ -4,18 +4,23 @@ Host slots hold each block's pieces of every tensor back to back, so one
 (layer, block) piece is often only 16-64 KiB. Copying such pieces one
 descriptor each is slow host->GPU (3-5 GB/s measured at 16 KiB on an H200).
 So a chunk of blocks is gathered on the GPU into a staging buffer laid out
-exactly like host slots (``index_select`` per tensor, at HBM speed), and moved
-with ``cuMemcpyBatchAsync``, one descriptor per run of consecutive host slots.
-Loads run the same way backwards and scatter with ``index_copy_``.
+exactly like host slots, and moved with ``cuMemcpyBatchAsync``, one descriptor
+per run of consecutive host slots. Loads run the same way backwards and scatter.
+The gather and the scatter are one launch of a kernel compiled at run time with
+NVRTC (``kernels.py``); where NVRTC is unavailable, one torch ``index_select`` /
+``index_copy_`` per tensor.
+
+Copies are submitted from the callers' threads (host-tier transfers are enqueued
+whole at call time) or from a worker loop (disk tier, spills), one at a time under
+the lane's submit lock. Every driver call on that path is made without releasing
+the GIL (``driver.EnqueueCalls``): with another thread of the process busy in
+Python, each release could cost the 5 ms switch interval.
 
 Two streams per direction overlap the two halves: a kernel stream gathers or
 scatters chunk N while the copy stream DMAs chunk N-1, through two staging
-buffers used in turn. Events order each buffer's reuse.
-
-Staging costs one kernel launch per tensor per chunk (20-40 us of CPU each
-on an H200, so about a millisecond for a 32-layer cache), which
-only pays off for large chunks. Small chunks (at most ``direct_max_copies`` pieces, e.g. one or a few
-blocks) are copied directly, one batched descriptor per (tensor, block).
+buffers used in turn. Events order each buffer's reuse. Small chunks (at most
+``direct_max_copies`` pieces, e.g. one or a few blocks) are copied directly,
+one batched descriptor per (tensor, block).
 
 Completion events: a store chunk completes on the copy stream, a load chunk on
 the kernel stream, so each direction's completions arrive in submission order.
@@ -30,7 +35,8 @@ import numpy as np
 import torch
 
 from ..layout import BlockLayout, runs
-from .driver import BatchCopy
+from .driver import BatchCopy, DriverEvent, enqueue_calls
+from .kernels import piece_kernel
 
 __all__ = ["CudaMover"]
 
@@ -42,28 +48,52 @@ class CudaMover:
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True
     ) -> None:
         self._layout = layout
+        self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
         # Priority 0 is the lowest: compute kernels go first.
         self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=0)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=0)
+        self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         shape = (self.chunk_blocks, layout.slot_bytes)
         self._staging = [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]  # last use of each buffer
+        self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
+        self._calls = enqueue_calls()
         self._copy = BatchCopy(use_batch=use_batch_copy)
+        self._kernel = piece_kernel(self._device_index)
         self.direct_max_copies = 128
-        # Per tensor: base address and bytes per block, for direct descriptors.
+        # Per tensor: base address and bytes per block, for direct descriptors; the same on the GPU for the kernel.
         self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
         self._piece_bytes = np.array([p.nbytes for p in self._pieces], dtype=np.uint64)
         self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
+        self._tables = torch.tensor(
+            np.stack([self._bases, self._piece_bytes, self._piece_offsets]).astype(np.int64), device=layout.device
+        )
+
+    @property
+    def uses_kernel(self) -> bool:
+        """True when gathers and scatters run the NVRTC kernel (False: torch, one launch per tensor)."""
+        return self._kernel is not None
+
+    def caller_event(self) -> DriverEvent:
+        """An event recorded now on the calling thread's current stream (what its work so far ends with)."""
+        self._calls.ensure_context(self._device_index)
+        return DriverEvent(self._device_index).record(torch.cuda.current_stream(self._layout.device).cuda_stream)
 
     def wait_for(self, event: Any) -> None:
-        """Every later copy waits for ``event``. Called with the lane's submit lock held."""
+        """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)."""
+        self._calls.ensure_context(self._device_index)
+        handle = event.handle if isinstance(event, DriverEvent) else event.cuda_event
+        if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
+            return
         # Both streams touch cache blocks: kernels when staged, DMA when direct.
-        self.kernel_stream.wait_event(event)
-        self.copy_stream.wait_event(event)
+        self._calls.wait(self._kstream, handle)
+        self._calls.wait(self._cstream, handle)
+
+    def _record(self, stream: int) -> DriverEvent:
+        return DriverEvent(self._device_index).record(stream)
 
     def _direct(self, nblocks: int) -> bool:
         return nblocks * len(self._pieces) <= self.direct_max_copies
@@ -76,21 +106,17 @@ class CudaMover:
         host_addrs = (host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]).ravel()
         sizes = np.repeat(self._piece_bytes, len(ids))
         if to_host:
-            self._copy(host_addrs, cache_addrs, sizes, self.copy_stream.cuda_stream)
+            self._copy(host_addrs, cache_addrs, sizes, self._cstream)
         else:
-            self._copy(cache_addrs, host_addrs, sizes, self.copy_stream.cuda_stream)
+            self._copy(cache_addrs, host_addrs, sizes, self._cstream)
 
-    def _take_staging(self, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+    def _take_staging(self, stream: int) -> tuple[int, torch.Tensor]:
         b = self._turn
         self._turn ^= 1
         free = self._staging_free[b]
         if free is not None:
-            stream.wait_event(free)
+            self._calls.wait(stream, free.handle)
         return b, self._staging[b]
-
-    def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        host = torch.tensor(ids, dtype=torch.int64).pin_memory()
-        return host.to(self._layout.device, non_blocking=True)
 
     def _dma(self, staging: torch.Tensor, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         slot = self._layout.slot_bytes
@@ -99,64 +125,66 @@ class CudaMover:
         stage_addrs = staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
         sizes = lengths.astype(np.uint64) * np.uint64(slot)
         if to_host:
-            self._copy(host_addrs, stage_addrs, sizes, self.copy_stream.cuda_stream)
+            self._copy(host_addrs, stage_addrs, sizes, self._cstream)
         else:
-            self._copy(stage_addrs, host_addrs, sizes, self.copy_stream.cuda_stream)
+            self._copy(stage_addrs, host_addrs, sizes, self._cstream)
 
-    @staticmethod
-    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event(blocking=True)
-        ev.record(stream)
-        return ev
+    def _gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
+        """Cache blocks <-> staging rows 0..n-1, on the kernel stream."""
+        if self._kernel is not None:
+            self._kernel.launch(
+                self._kstream, self._tables, len(self._pieces), staging.data_ptr(), self._layout.slot_bytes,
+                list(block_ids), gather,
+            )
+            return
+        n = len(block_ids)
+        with torch.cuda.device(self._layout.device), torch.cuda.stream(self.kernel_stream):
+            idx = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self._layout.device, non_blocking=True)
+            stage = staging[:n]
+            for p, cache_rows in zip(self._pieces, self._rows):
+                column = stage[:, p.offset : p.offset + p.nbytes]
+                if gather:
+                    torch.index_select(cache_rows, 0, idx, out=column)
+                else:
+                    cache_rows.index_copy_(0, idx, column)
 
-    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> torch.cuda.Event:
-        with torch.cuda.device(self._layout.device):  # any calling thread: a caller's, or a worker loop
-            return self._to_host(block_ids, host, rows)
-
-    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
-        with torch.cuda.device(self._layout.device):
-            return self._to_device(host, rows, block_ids)
-
-    def _to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> torch.cuda.Event:
+    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
+        """Copy cache blocks into host rows; returns the completion event (on the copy stream)."""
         n = len(block_ids)
         assert n <= self.chunk_blocks
+        self._calls.ensure_context(self._device_index)
         if self._direct(n):
             self._direct_dma(block_ids, host, rows, to_host=True)
-            return self._record(self.copy_stream)
-        b, staging = self._take_staging(self.kernel_stream)
-        with torch.cuda.stream(self.kernel_stream):
-            idx = self._index(block_ids)
-            stage = staging[:n]
-            for p, cache_rows in zip(self._pieces, self._rows):
-                # one kernel per tensor, written straight into the strided slot columns
-                torch.index_select(cache_rows, 0, idx, out=stage[:, p.offset : p.offset + p.nbytes])
-            gathered = self._record(self.kernel_stream)
-        self.copy_stream.wait_event(gathered)
+            return self._record(self._cstream)
+        b, staging = self._take_staging(self._kstream)
+        self._gather_or_scatter(staging, block_ids, gather=True)
+        gathered = self._record(self._kstream)
+        self._calls.wait(self._cstream, gathered.handle)
         self._dma(staging, host, rows, to_host=True)
-        done = self._staging_free[b] = self._record(self.copy_stream)
+        done = self._staging_free[b] = self._record(self._cstream)
         return done
 
-    def _to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> torch.cuda.Event:
+    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> DriverEvent:
+        """Copy host rows into cache blocks; returns the completion event (on the kernel stream)."""
         n = len(block_ids)
         assert n <= self.chunk_blocks
+        self._calls.ensure_context(self._device_index)
         if self._direct(n):
             self._direct_dma(block_ids, host, rows, to_host=False)
-            self.kernel_stream.wait_event(self._record(self.copy_stream))
-            return self._record(self.kernel_stream)
-        b, staging = self._take_staging(self.copy_stream)
+            landed = self._record(self._cstream)  # kept alive until the wait is enqueued
+            self._calls.wait(self._kstream, landed.handle)
+            return self._record(self._kstream)
+        b, staging = self._take_staging(self._cstream)
         self._dma(staging, host, rows, to_host=False)
-        landed = self._record(self.copy_stream)
-        self.kernel_stream.wait_event(landed)
-        with torch.cuda.stream(self.kernel_stream):
-            idx = self._index(block_ids)
-            stage = staging[:n]
-            for p, cache_rows in zip(self._pieces, self._rows):
-                cache_rows.index_copy_(0, idx, stage[:, p.offset : p.offset + p.nbytes])
-            done = self._staging_free[b] = self._record(self.kernel_stream)
+        landed = self._record(self._cstream)
+        self._calls.wait(self._kstream, landed.handle)
+        self._gather_or_scatter(staging, block_ids, gather=False)
+        done = self._staging_free[b] = self._record(self._kstream)
         return done
 
     def close(self) -> None:
         self.kernel_stream.synchronize()
         self.copy_stream.synchronize()
         self._staging = []
+        self._staging_free = [None, None]
         self._rows = []

@@ -1,0 +1,146 @@
+"""A copy kernel compiled at run time with NVRTC: one launch gathers a chunk's pieces into a
+staging buffer laid out like host slots, or scatters them back.
+
+torch needs one launch per tensor per chunk (a 32-layer cache: 32 launches, each releasing
+and retaking the GIL). This kernel moves every (block, tensor) piece of up to
+:data:`MAX_BLOCKS` blocks in one launch, made through :class:`~.driver.EnqueueCalls` without
+releasing the GIL. Block ids travel by value in the kernel's parameters, so nothing needs
+to live until the kernel has run. One CTA per piece copies 16-byte words where the piece,
+its source and its destination allow it, bytes otherwise (any piece size works).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .driver import check, context_for, driver, enqueue_calls
+
+__all__ = ["MAX_BLOCKS", "PieceKernel", "piece_kernel"]
+
+log = logging.getLogger("kvoffload")
+
+MAX_BLOCKS = 960
+"""Block ids per launch: they travel in the kernel's parameters (4 KiB at most)."""
+THREADS = 256
+
+SOURCE = r"""
+struct Blocks { int n; int first; int ids[%(max_blocks)d]; };
+struct __align__(16) Word { unsigned long long lo, hi; };
+
+extern "C" __global__ void move_pieces(
+    const unsigned long long* __restrict__ bases,    // per tensor: address of block 0 in the cache
+    const unsigned long long* __restrict__ sizes,    // per tensor: bytes per block
+    const unsigned long long* __restrict__ offsets,  // per tensor: offset of its piece in a slot
+    int tensors, unsigned long long staging, unsigned long long slot_bytes, int gather, Blocks blocks)
+{
+    int piece = blockIdx.x;
+    int i = piece / tensors, t = piece - i * tensors;
+    if (i >= blocks.n) return;
+    unsigned long long len = sizes[t];
+    unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * len;
+    unsigned long long slot = staging + (unsigned long long)(blocks.first + i) * slot_bytes + offsets[t];
+    unsigned long long src = gather ? cache : slot, dst = gather ? slot : cache;
+    if (((src | dst | len) & 15ull) == 0) {
+        const Word* s = (const Word*)src;
+        Word* d = (Word*)dst;
+        for (unsigned long long k = threadIdx.x; k < len / 16; k += blockDim.x) d[k] = s[k];
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+    }
+}
+""" % {"max_blocks": MAX_BLOCKS}
+
+
+class _Blocks(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int), ("first", ctypes.c_int), ("ids", ctypes.c_int * MAX_BLOCKS)]
+
+
+class PieceKernel:
+    """The compiled ``move_pieces`` of one device."""
+
+    def __init__(self, device_index: int) -> None:
+        cu = driver()
+        err, dev = cu.cuDeviceGet(device_index)
+        check("cuDeviceGet", err)
+        err, major = cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+        check("cuDeviceGetAttribute", err)
+        err, minor = cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+        check("cuDeviceGetAttribute", err)
+        cubin = _compile(SOURCE, f"sm_{major}{minor}")
+        with context_for(device_index):
+            err, self._module = cu.cuModuleLoadData(cubin)
+            check("cuModuleLoadData", err)
+            err, func = cu.cuModuleGetFunction(self._module, b"move_pieces")
+            check("cuModuleGetFunction", err)
+        self._func = int(func)
+        self._calls = enqueue_calls()
+
+    def launch(
+        self, stream: int, tables: torch.Tensor, tensors: int, staging: int, slot_bytes: int,
+        block_ids: list[int], gather: bool,
+    ) -> None:
+        """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
+
+        ``tables`` is a CUDA ``uint64[3, tensors]`` tensor: base addresses, bytes per block,
+        offsets in a slot.
+        """
+        base = tables.data_ptr()
+        row = 8 * tables.shape[1]
+        args: list[Any] = [
+            ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
+            ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
+            _Blocks(),
+        ]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        blocks = args[-1]
+        for first in range(0, len(block_ids), MAX_BLOCKS):
+            ids = block_ids[first : first + MAX_BLOCKS]
+            blocks.n, blocks.first = len(ids), first
+            blocks.ids[: len(ids)] = ids
+            err = self._calls.launch_kernel(self._func, len(ids) * tensors, 1, 1, THREADS, 1, 1, 0, stream, params, None)
+            if err:
+                check("cuLaunchKernel(move_pieces)", err)
+
+
+def _compile(source: str, arch: str) -> bytes:
+    from cuda.bindings import nvrtc
+
+    def ok(call: str, err: Any) -> None:
+        if int(err) != 0:
+            raise RuntimeError(f"{call} failed: {nvrtc.nvrtcGetErrorString(err)[1]!r}")
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kvoffload_move_pieces.cu", 0, [], [])
+    ok("nvrtcCreateProgram", err)
+    try:
+        opts = [f"-arch={arch}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(err) != 0:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            text = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, text)
+            raise RuntimeError(f"NVRTC could not compile the copy kernel: {text.decode(errors='replace')}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        ok("nvrtcGetCUBINSize", err)
+        cubin: bytes = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        ok("nvrtcGetCUBIN", err)
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@lru_cache(maxsize=None)
+def piece_kernel(device_index: int) -> PieceKernel | None:
+    """The device's copy kernel, compiled on first use; None (logged) where NVRTC is unavailable."""
+    try:
+        return PieceKernel(device_index)
+    except Exception as e:  # no NVRTC library, an old driver: the torch gather/scatter serves instead
+        log.warning("kvoffload: the NVRTC copy kernel is unavailable (%s); using torch gather/scatter", e)
+        return None
