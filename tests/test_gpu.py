@@ -55,7 +55,7 @@ def test_the_copy_kernel_compiles_with_nvrtc():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("engine", ["kernel", "torch"])
+@pytest.mark.parametrize("engine", ["kernel", "kernel with 8 CTAs", "torch"])
 async def test_round_trip_of_more_blocks_than_one_launch_takes(monkeypatch, engine):
     # 2,500 blocks of odd-sized pieces in one chunk: three kernel launches per gather and per scatter.
     if engine == "torch":  # the fallback where NVRTC is unavailable
@@ -65,7 +65,7 @@ async def test_round_trip_of_more_blocks_than_one_launch_takes(monkeypatch, engi
     g = torch.Generator().manual_seed(2)
     src = torch.randperm(3000, generator=g).tolist()[:2500]
     dst = torch.randperm(3000, generator=g).tolist()[:2500]
-    async with kvoffload.Offloader(caches, host_blocks=2500) as off:
+    async with kvoffload.Offloader(caches, host_blocks=2500, gather_ctas=8 if "8 CTAs" in engine else 0) as off:
         await off.store({i: src[i] for i in range(2500)})
         for t in caches.values():
             t.zero_()

@@ -325,6 +325,103 @@ def busy_caller_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.devic
     rep.row("store+load, calling thread busy", "GB/s", caller, idle, None, note="ceiling = idle")
 
 
+PIECE_LAYOUTS = {4: "32x2x16x8x8:bf16", 16: "32x2x16x8x32:bf16", 32: "32x2x16x8x64:bf16", 64: "32x2x16x8x128:bf16"}
+"""Piece size in KiB -> a 32-layer layout with pieces of that size."""
+
+
+def layout_scenarios(rep: Report, gib: float, dev: torch.device, base: Any) -> None:
+    """Host store and load of random block ids, and both at once, for 4, 16, 32 and 64 KiB pieces."""
+    rep.begin(f"layouts: {gib:.2f} GiB per transfer, 32 layers, pieces of 4-64 KiB, random ids")
+    for kib, spec in PIECE_LAYOUTS.items():
+        lay = Layout(spec)
+        n = lay.blocks_for(gib)
+        nbytes = n * lay.block_bytes
+        ceil_d2h, ceil_h2d, ceil_both = _host_ceilings(nbytes, dev)
+        caches = lay.cache(2 * n, dev)
+        ids = torch.randperm(2 * n).tolist()
+        src, dst = ids[:n], ids[n:]
+        st, ld, both = [], [], []
+        with Offloader(caches, host_blocks=2 * n) as off:
+            for _ in range(3):
+                off.discard(range(2 * n))
+                st.append(off.store({i: src[i] for i in range(n)}).result().gbps)
+                ld.append(off.load({i: dst[i] for i in range(n)}).result().gbps)
+                _sync(dev)
+                t0 = time.perf_counter()
+                a = off.store({n + i: dst[i] for i in range(n)})
+                b = off.load({i: src[i] for i in range(n)})
+                a.result()
+                b.result()
+                both.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)
+        bst = bld = None
+        if base is not None:
+            hbase = base.HostBaseline(caches, n)
+            try:
+                bst = _best_gbps(nbytes, lambda: hbase.wait(hbase.store([(src[i], i) for i in range(n)])), dev)
+                bld = _best_gbps(nbytes, lambda: hbase.wait(hbase.load([(i, dst[i]) for i in range(n)])), dev)
+            finally:
+                hbase.close()
+        del caches
+        rep.row(f"store, {kib} KiB pieces", "GB/s", max(st), ceil_d2h, bst)
+        rep.row(f"load, {kib} KiB pieces", "GB/s", max(ld), ceil_h2d, bld)
+        rep.row(f"store + load at once, {kib} KiB pieces", "GB/s", max(both), ceil_both, None)
+
+
+def under_compute_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, seconds: float = 2.0) -> None:
+    """Store+load round trips while a bf16 8192x8192 matmul loop keeps the GPU busy on the default
+    stream: copy GB/s against the idle GPU, and the matmul's time against the matmul alone."""
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"under compute: {nbytes / 2**30:.2f} GiB store+load round trips beside a bf16 matmul loop")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+
+    def matmuls(count: int = 20) -> float:
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            torch.matmul(a, b)
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) / count
+
+    matmuls(5)
+    alone = min(matmuls() for _ in range(3))
+    caches = lay.cache(2 * n, dev)
+    ids = torch.randperm(2 * n).tolist()[:n]
+    for ctas in (0, 32, 8):
+        with Offloader(caches, host_blocks=n, gather_ctas=ctas) as off:
+
+            def round_trip() -> int:
+                off.store({i: ids[i] for i in range(n)}).result()
+                off.load({i: 2 * n - 1 - i for i in range(n)}).result()
+                off.discard(range(n))
+                return 2 * nbytes
+
+            idle, _ = _rounds_gbps(round_trip, seconds, busy_other=False)
+            stop = threading.Event()
+            times: list[float] = []
+
+            def compute() -> None:
+                while not stop.is_set():
+                    times.append(matmuls())
+
+            th = threading.Thread(target=compute, name="bench-matmul")
+            th.start()
+            try:
+                busy, _ = _rounds_gbps(round_trip, seconds, busy_other=False)
+            finally:
+                stop.set()
+                th.join()
+        shared = statistics.median(times) if times else float("nan")
+        label = "gather_ctas=0 (default)" if ctas == 0 else f"gather_ctas={ctas}"
+        rep.extra[f"under_compute_ctas_{ctas}"] = {
+            "copy_idle_gbps": idle, "copy_under_matmul_gbps": busy, "matmul_alone_s": alone, "matmul_beside_copies_s": shared,
+        }
+        rep.row(f"store+load beside a matmul, {label}", "GB/s", busy, idle, None, note="ceiling = the same on an idle GPU")
+        rep.row(f"matmul time beside store+load, {label}", "x alone", shared / alone, None, None,
+                note=f"{alone * 1e3:.1f} ms per matmul alone")
+
+
 class RawDirectIo:
     """The disk ceiling: ``threads`` threads doing O_DIRECT pwritev / preadv of ``nbytes`` in 8 MiB calls."""
 
@@ -594,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,disk,small,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,compute,disk,small,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -606,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = Layout(args.layout)
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
-    todo = [s for s in ("host", "busy", "disk", "small", "latency") if s not in skip]
+    gpu_only = {"layouts", "compute"} if not cuda else set()
+    todo = [s for s in ("host", "busy", "layouts", "compute", "disk", "small", "latency") if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -619,6 +717,10 @@ def main(argv: list[str] | None = None) -> int:
         host_scenarios(rep, lay, gib, dev, base)
     if "busy" in todo:
         busy_caller_scenarios(rep, lay, min(gib, 0.5), dev, base, args.busy_seconds)
+    if "layouts" in todo:
+        layout_scenarios(rep, min(gib, 1.0), dev, base)
+    if "compute" in todo:
+        under_compute_scenarios(rep, lay, min(gib, 0.5), dev, args.busy_seconds)
     if "disk" in todo:
         disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
     if "small" in todo:

@@ -124,14 +124,18 @@ class Lane:
                 return Enqueued(events, e)
         return Enqueued(events, None)
 
-    async def completed(self, enqueued: Enqueued, landed: Callable[[int], Any]) -> None:
-        """Wait for the copies of ``enqueued`` in order, ``landed(i)`` as request ``i``'s completes;
-        then raise the submission's error, if any. On cancellation, waits for every submitted copy
-        before ``CancelledError`` propagates."""
+    async def completed(self, enqueued: Enqueued, landed: Callable[[int], Any] | None = None) -> None:
+        """Wait for the copies of ``enqueued`` in order, ``landed(i)`` as request ``i``'s completes
+        (without ``landed``, only for the last: one wake-up for the whole transfer); then raise
+        the submission's error, if any. On cancellation, waits for every submitted copy before
+        ``CancelledError`` propagates."""
         try:
-            for i, event in enumerate(enqueued.events):
-                await self.wait(event)
-                landed(i)
+            if landed is None:
+                await self.wait(enqueued.events[-1] if enqueued.events else None)
+            else:
+                for i, event in enumerate(enqueued.events):
+                    await self.wait(event)
+                    landed(i)
         except BaseException:
             if enqueued.events:
                 await self.settle(enqueued.events[-1])

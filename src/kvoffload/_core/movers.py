@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from .layout import BlockLayout, runs
+from .options import Options
 
 __all__ = ["BlockMover", "CpuMover", "make_mover"]
 
@@ -97,12 +98,12 @@ class CpuMover:
         self._rows = []
 
 
-def make_mover(
-    layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True
-) -> BlockMover:
-    """A :class:`CpuMover` for CPU caches, a CUDA mover (own stream, staging) for GPU caches."""
+def make_mover(layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], options: Options) -> BlockMover:
+    """A :class:`CpuMover` for CPU caches, a CUDA mover (own streams, staging, copy kernel) for GPU caches."""
     if not layout.is_cuda:
-        return CpuMover(layout, kv_caches, chunk_bytes)
+        return CpuMover(layout, kv_caches, options.chunk_bytes)
     from .cuda.mover import CudaMover
 
-    return CudaMover(layout, kv_caches, chunk_bytes=chunk_bytes, use_batch_copy=use_batch_copy)
+    return CudaMover(
+        layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas
+    )

@@ -61,6 +61,7 @@ class Offloader:
         disk_blocks: int = 0,
         chunk_bytes: int = 128 << 20,
         completion: Literal["poll", "thread"] = "poll",
+        gather_ctas: int = 0,
         use_batch_copy: bool = True,
         io_threads: int = 4,
         use_page_cache: bool = False,
@@ -70,7 +71,7 @@ class Offloader:
         self._caches = dict(kv_caches)
         self._options = Options(
             host_blocks=host_blocks, disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
-            disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion,
+            disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
             use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
         )
         self._lock = threading.Lock()

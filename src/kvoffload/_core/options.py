@@ -28,6 +28,10 @@ class Options:
     staging buffers of this size per direction (512 MiB of GPU memory in all at the default)."""
     completion: Literal["poll", "thread"] = "poll"
     """How CUDA completion reaches the worker loops (see docs/design.md)."""
+    gather_ctas: int = 0
+    """GPU caches: CTAs per gather/scatter launch; 0 (the default) runs one per piece, the fastest on
+    an idle GPU. A small number (8-32) leaves more SMs to the model's kernels and moves less per
+    second: ``kvoffload bench`` measures both beside a matmul loop."""
     use_batch_copy: bool = True
     """False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``."""
     io_threads: int = 4
@@ -40,6 +44,7 @@ class Options:
         _check_count("disk_blocks", self.disk_blocks, minimum=0)
         _check_count("chunk_bytes", self.chunk_bytes, minimum=1)
         _check_count("io_threads", self.io_threads, minimum=1)
+        _check_count("gather_ctas", self.gather_ctas, minimum=0)
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, os.PathLike)):
                 raise TypeError(f"disk_path must be a path or None, got {type(self.disk_path).__name__}")

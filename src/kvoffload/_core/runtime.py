@@ -122,7 +122,7 @@ class Runtime:
             for name in ("store", "load"):
                 thread = LoopThread(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
                 try:
-                    mover = make_mover(layout, caches, chunk_bytes=opts.chunk_bytes, use_batch_copy=opts.use_batch_copy)
+                    mover = make_mover(layout, caches, opts)
                     bridge = make_bridge(opts.completion, thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
                 except BaseException:
                     thread.stop(5.0)

@@ -5,8 +5,9 @@ torch needs one launch per tensor per chunk (a 32-layer cache: 32 launches, each
 and retaking the GIL). This kernel moves every (block, tensor) piece of up to
 :data:`MAX_BLOCKS` blocks in one launch, made through :class:`~.driver.EnqueueCalls` without
 releasing the GIL. Block ids travel by value in the kernel's parameters, so nothing needs
-to live until the kernel has run. One CTA per piece copies 16-byte words where the piece,
-its source and its destination allow it, bytes otherwise (any piece size works).
+to live until the kernel has run. A CTA copies one piece at a time (one CTA per piece unless
+capped), in 16-byte words where the piece, its source and its destination allow it, bytes
+otherwise (any piece size works).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ extern "C" __global__ void move_pieces(
     const unsigned long long* __restrict__ offsets,  // per tensor: offset of its piece in a slot
     int tensors, unsigned long long staging, unsigned long long slot_bytes, int gather, Blocks blocks)
 {
-    int piece = blockIdx.x;
+    for (int piece = blockIdx.x; piece < blocks.n * tensors; piece += gridDim.x) {
     int i = piece / tensors, t = piece - i * tensors;
-    if (i >= blocks.n) return;
     unsigned long long len = sizes[t];
     unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * len;
     unsigned long long slot = staging + (unsigned long long)(blocks.first + i) * slot_bytes + offsets[t];
@@ -53,6 +53,7 @@ extern "C" __global__ void move_pieces(
         const unsigned char* s = (const unsigned char*)src;
         unsigned char* d = (unsigned char*)dst;
         for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+    }
     }
 }
 """ % {"max_blocks": MAX_BLOCKS}
@@ -84,12 +85,13 @@ class PieceKernel:
 
     def launch(
         self, stream: int, tables: torch.Tensor, tensors: int, staging: int, slot_bytes: int,
-        block_ids: list[int], gather: bool,
+        block_ids: list[int], gather: bool, max_ctas: int = 0,
     ) -> None:
         """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
 
         ``tables`` is a CUDA ``uint64[3, tensors]`` tensor: base addresses, bytes per block,
-        offsets in a slot.
+        offsets in a slot. ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving
+        SMs to other kernels at some cost in speed.
         """
         base = tables.data_ptr()
         row = 8 * tables.shape[1]
@@ -104,7 +106,8 @@ class PieceKernel:
             ids = block_ids[first : first + MAX_BLOCKS]
             blocks.n, blocks.first = len(ids), first
             blocks.ids[: len(ids)] = ids
-            err = self._calls.launch_kernel(self._func, len(ids) * tensors, 1, 1, THREADS, 1, 1, 0, stream, params, None)
+            ctas = len(ids) * tensors if max_ctas <= 0 else min(max_ctas, len(ids) * tensors)
+            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, params, None)
             if err:
                 check("cuLaunchKernel(move_pieces)", err)
 

@@ -45,7 +45,8 @@ class CudaMover:
     """One direction's streams, staging buffers and batched copy."""
 
     def __init__(
-        self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True
+        self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
+        gather_ctas: int = 0,
     ) -> None:
         self._layout = layout
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
@@ -63,6 +64,7 @@ class CudaMover:
         self._calls = enqueue_calls()
         self._copy = BatchCopy(use_batch=use_batch_copy)
         self._kernel = piece_kernel(self._device_index)
+        self._max_ctas = gather_ctas
         self.direct_max_copies = 128
         # Per tensor: base address and bytes per block, for direct descriptors; the same on the GPU for the kernel.
         self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
@@ -134,7 +136,7 @@ class CudaMover:
         if self._kernel is not None:
             self._kernel.launch(
                 self._kstream, self._tables, len(self._pieces), staging.data_ptr(), self._layout.slot_bytes,
-                list(block_ids), gather,
+                list(block_ids), gather, self._max_ctas,
             )
             return
         n = len(block_ids)

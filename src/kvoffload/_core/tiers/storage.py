@@ -187,7 +187,7 @@ class Storage:
     async def run_load(self, lane: Lane, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
         if plan.enqueued is not None:
-            await lane.completed(plan.enqueued, lambda i: None)
+            await lane.completed(plan.enqueued)
             return self._load_result(plan)
         if after is not None:
             lane.mover.wait_for(after)
