@@ -135,12 +135,17 @@ class DiskFile:
         done = call_foreign("disk read (preadv)", self.io.preadv, self.fd, buffers, offset)
         _check_count("read", done, want, offset)
 
+    def unlink(self) -> None:
+        """Remove the file from its directory if the path still names it (the fd stays open)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                _unlink_if_same(self.path, os.fstat(self.fd))
+
     def close(self) -> None:
         """Unlink the file (if the path still names it) and close the fd. Only call once no IO thread can use the fd."""
         if self.fd < 0:
             return
-        with contextlib.suppress(OSError):
-            _unlink_if_same(self.path, os.fstat(self.fd))
+        self.unlink()
         os.close(self.fd)
         self.fd = -1
 

@@ -205,14 +205,8 @@ class Runtime:
     def remove_disk_file(self) -> None:
         """Last resort at exit after a failed close: unlink the disk file if the path is still ours."""
         disk = self.storage.disk if self.storage is not None else self._disk_left
-        if disk is None or disk.file.fd < 0:
-            return
-        try:
-            ours, there = os.fstat(disk.file.fd), os.stat(disk.file.path, follow_symlinks=False)
-            if (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino):
-                os.unlink(disk.file.path)
-        except OSError:
-            pass
+        if disk is not None:
+            disk.file.unlink()
 
 
 def finalize_runtime(rt: Runtime) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
-from .wakeup import mailbox_of
+from .wakeup import mailbox_of, resolve
 
 __all__ = ["Transfer", "TransferResult"]
 
@@ -166,7 +166,7 @@ class Transfer:
 
         def wake(_: Transfer) -> None:
             try:
-                box.post(_resolve, fut)
+                box.post(resolve, fut)
             except RuntimeError:  # the waiting loop was closed meanwhile: nobody to wake
                 pass
 
@@ -214,10 +214,6 @@ class Transfer:
         for fn in callbacks:
             _call_quietly(fn, self)
 
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer) -> None:

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Mailbox", "mailbox_of"]
+__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
 
 
 class Mailbox:
@@ -67,3 +67,17 @@ def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
             if box is None:
                 box = _boxes[loop] = Mailbox(loop)
     return box
+
+
+def resolve(fut: asyncio.Future[None]) -> None:
+    """Complete ``fut`` with None unless it is done already (cancelled, say). Call on its loop."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+def resolve_from_any_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """:func:`resolve` ``fut`` on ``loop`` from any thread; nothing if the loop has closed (nobody waits)."""
+    try:
+        loop.call_soon_threadsafe(resolve, fut)
+    except RuntimeError:
+        pass

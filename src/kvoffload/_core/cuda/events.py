@@ -26,6 +26,8 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from ..wakeup import resolve
+
 __all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge"]
 
 
@@ -41,14 +43,9 @@ class CompletionBridge(Protocol):
         ...
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 def _resolve_all(futs: list[asyncio.Future[None]]) -> None:
     for fut in futs:
-        _resolve(fut)
+        resolve(fut)
 
 
 class ThreadBridge:
@@ -116,7 +113,7 @@ class PollBridge:
         try:
             while self._pending:
                 while self._pending and self._pending[0][0].query():
-                    _resolve(self._pending.popleft()[1])
+                    resolve(self._pending.popleft()[1])
                     self._last_progress = time.perf_counter()
                 if not self._pending:
                     break

@@ -22,6 +22,7 @@ from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..lane import Enqueued, Lane
 from ..layout import BlockLayout
 from ..transfer import TransferResult
+from ..wakeup import resolve_from_any_thread
 from .disk import DiskTier
 from .host import HostTier, chunked
 
@@ -153,7 +154,7 @@ class Storage:
         loop = asyncio.get_running_loop()
         for s in spills:
             unread: asyncio.Future[None] = loop.create_future()
-            self.index.when_unread(s.host_slot, functools.partial(_resolve_from_any_thread, loop, unread))
+            self.index.when_unread(s.host_slot, functools.partial(resolve_from_any_thread, loop, unread))
             await unread
 
     def end_store(self, plan: StorePlan) -> None:
@@ -232,14 +233,3 @@ class Storage:
             self.host = None
         return ok
 
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _resolve_from_any_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    try:
-        loop.call_soon_threadsafe(_resolve, fut)
-    except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-        pass
