@@ -38,7 +38,9 @@ def copy_calls(off: Offloader) -> CopyCalls:
 
     ``calls.to_host(mover, block_ids, host, rows)`` and
     ``calls.to_device(mover, host, rows, block_ids)``; replace either to gate
-    or break copies. Any exception raised fails the transfer with
+    or break copies. GPU transfers between the cache and host memory make these
+    calls in the thread that calls ``store()``/``load()`` (they are enqueued
+    whole there): a gate on them holds that thread. Any exception raised fails the transfer with
     :class:`kvoffload.TransferError`. The offloader must be started.
     """
     return off._running_runtime().copy_calls
