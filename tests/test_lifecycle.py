@@ -421,32 +421,21 @@ async def test_cancelling_async_with_during_start_leaves_nothing_allocated(tmp_p
 
 
 @pytest.mark.asyncio
-async def test_aclose_completes_even_if_its_task_is_cancelled(tmp_path):
+async def test_aclose_completes_even_if_its_task_is_cancelled(tmp_path, faults):
     path = tmp_path / "kv"
     off = kvoffload.Offloader(random_caches(16, seed=7), host_blocks=4, disk_path=path, disk_blocks=8)
     await off.__aenter__()
-    calls = copy_calls(off)
-    real = calls.to_host
-    loop = asyncio.get_running_loop()
-    copying = asyncio.Event()
-    release = threading.Event()
-
-    def gated(*args):
-        loop.call_soon_threadsafe(copying.set)
-        release.wait(10)
-        return real(*args)
-
-    calls.to_host = gated
+    gate = faults.gate(off, "to_host")
     t = off.store({"a": 0})
     try:
-        await asyncio.wait_for(copying.wait(), 5)
+        await gate.entered_async()
         closing = asyncio.create_task(off.aclose())
         await asyncio.sleep(0.05)  # aclose() is now waiting for the held copy
         closing.cancel()
         await asyncio.sleep(0.05)
         assert not closing.done(), "aclose() gave up when cancelled: the close would be left half done"
     finally:
-        release.set()
+        gate.open()
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert t.done() and off.closed and not path.exists() and not kvoffload_threads()
@@ -454,28 +443,19 @@ async def test_aclose_completes_even_if_its_task_is_cancelled(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_aclose_raises_close_error_and_can_be_retried(tmp_path):
+async def test_aclose_raises_close_error_and_can_be_retried(tmp_path, faults):
     path = tmp_path / "kv"
     off = kvoffload.Offloader(random_caches(16, seed=8), host_blocks=4, disk_path=path, disk_blocks=8)
     await off.__aenter__()
-    calls = copy_calls(off)
-    real = calls.to_host
-    entered, release = threading.Event(), threading.Event()
-
-    def gated(*args):
-        entered.set()
-        release.wait(10)
-        return real(*args)
-
-    calls.to_host = gated
+    gate = faults.gate(off, "to_host")
     off.store({"a": 0})
     try:
-        assert entered.wait(5)
+        await gate.entered_async()
         with pytest.raises(kvoffload.CloseError):
             await off.aclose(timeout=0.1)
         assert path.exists()
     finally:
-        release.set()
+        gate.open()
     await off.aclose()
     assert not path.exists() and not kvoffload_threads()
 
@@ -655,22 +635,13 @@ async def test_stats_count_a_transfer_as_ended_when_await_returns(make_offloader
         assert (s.in_flight, s.loads) == (0, i + 1), f"round {i}: {s}"
 
 
-def test_stats_count_a_cancelled_transfer_when_its_waiter_wakes(make_offloader):
+def test_stats_count_a_cancelled_transfer_when_its_waiter_wakes(make_offloader, faults):
     off = make_offloader(random_caches(16, seed=13), host_blocks=8)
-    calls = copy_calls(off)
-    real = calls.to_host
-    entered, release = threading.Event(), threading.Event()
-
-    def gated(*args):
-        entered.set()
-        release.wait(10)
-        return real(*args)
-
-    calls.to_host = gated
+    gate = faults.gate(off, "to_host")
     t = off.store({"a": 0, "b": 1})
-    assert entered.wait(5)
+    gate.wait_entered()
     t.cancel()
-    release.set()
+    gate.open()
     try:
         t.result(10)
     except asyncio.CancelledError:

@@ -28,8 +28,8 @@ import pytest
 
 import kvoffload
 from conftest import random_caches, report_figure, same_bytes
-from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, Spill, State
-from kvoffload._testing import check_index, copy_calls, disk_io
+from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, State
+from kvoffload._testing import check_index
 
 # -- transitions, one by one ------------------------------------------------------------------
 
@@ -354,7 +354,7 @@ async def until(condition, timeout: float = 10.0) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("then", ["store ends", "store cancelled"])
-async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, then):
+async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, faults, then):
     # A store spills victim b to disk; a load pins b's host copy; b is discarded while its spill runs.
     # Once the load ends, b's old host slot belongs to the store's new key: it must not go back to the
     # free list (a later store would overwrite it, and the new key would load another key's bytes).
@@ -366,38 +366,18 @@ async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, t
         await off.store({"a": 0})
         await off.store({"b": 1})
         await off.load({"a": 10})  # a becomes the most recently used: b is the victim of the next store
-        io, calls = disk_io(off), copy_calls(off)
-        assert io is not None
-        write_entered, write_go = threading.Event(), threading.Event()
-        real_w = io.pwritev
-
-        def gated_write(fd, bufs, offset):
-            write_entered.set()
-            assert write_go.wait(20)
-            return real_w(fd, bufs, offset)
-
-        read_entered, read_go = threading.Event(), threading.Event()
-        real_d = calls.to_device
-
-        def gated_load(mover, host, rows, block_ids):
-            read_entered.set()
-            assert read_go.wait(20)
-            return real_d(mover, host, rows, block_ids)
-
-        io.pwritev = gated_write
-        calls.to_device = gated_load
+        write = faults.gate(off, "pwritev")
+        read = faults.gate(off, "to_device")
         st = off.store({"n": 2})  # spills b, then writes n into b's host slot
-        await asyncio.to_thread(write_entered.wait, 20)
+        await write.entered_async()
         ld = off.load({"b": 11})  # pins b's host copy while it is being spilled
-        await asyncio.to_thread(read_entered.wait, 20)
+        await read.entered_async()
         assert off.discard(["b"]) == 1
-        io.pwritev = real_w
-        write_go.set()
+        write.open()
         await until(lambda: off.stats().spilled == 1)  # b's bytes are on disk while the load still reads its host copy
         if then == "store cancelled":
             st.cancel()
-        read_go.set()
-        calls.to_device = real_d
+        read.open()
         await ld
         assert same_bytes(caches["k0"][11], orig["k0"][1])  # the load read b's bytes, untouched
         if then == "store ends":
@@ -438,24 +418,14 @@ def test_lookup_of_a_generator_that_asks_the_offloader_does_not_deadlock(caches)
 
 
 @pytest.mark.asyncio
-async def test_a_key_discarded_while_its_store_runs_is_counted_never_published_and_the_store_succeeds(caches):
+async def test_a_key_discarded_while_its_store_runs_is_counted_never_published_and_the_store_succeeds(caches, faults):
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     with kvoffload.Offloader(caches, host_blocks=8, chunk_bytes=slot) as off:
-        calls = copy_calls(off)
-        entered, go = threading.Event(), threading.Event()
-        real = calls.to_host
-
-        def gated(mover, block_ids, host, rows):
-            entered.set()
-            assert go.wait(20)
-            return real(mover, block_ids, host, rows)
-
-        calls.to_host = gated
+        gate = faults.gate(off, "to_host")
         t = off.store({"a": 0, "b": 1})
-        await asyncio.to_thread(entered.wait, 20)
+        await gate.entered_async()
         assert off.discard(["b"]) == 1  # pending: counted
-        calls.to_host = real
-        go.set()
+        gate.open()
         result = await t
         assert result.keys == ("a", "b")
         assert "a" in off and "b" not in off
