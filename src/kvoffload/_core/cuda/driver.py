@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "CudaError", "driver", "check", "context_for", "host_register", "host_unregister", "BatchCopy",
+    "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "BatchCopy",
     "enqueue_calls", "EnqueueCalls", "DriverEvent",
 ]
 
@@ -62,6 +62,16 @@ def check(call: str, err: Any) -> None:
     raise CudaError(call, code, (name or b"?").decode(), (text or b"?").decode())
 
 
+def primary_context(device_index: int) -> Any:
+    """The device's primary context (the one torch uses too), retained for good."""
+    cu = driver()
+    err, dev = cu.cuDeviceGet(device_index)
+    check("cuDeviceGet", err)
+    err, primary = cu.cuDevicePrimaryCtxRetain(dev)
+    check("cuDevicePrimaryCtxRetain", err)
+    return primary
+
+
 @contextlib.contextmanager
 def context_for(device_index: int) -> Iterator[None]:
     """Make sure a CUDA context is current: the calling thread's, else the device's primary one.
@@ -75,11 +85,7 @@ def context_for(device_index: int) -> Iterator[None]:
     if int(ctx):
         yield
         return
-    err, dev = cu.cuDeviceGet(device_index)
-    check("cuDeviceGet", err)
-    err, primary = cu.cuDevicePrimaryCtxRetain(dev)  # the context torch uses too; kept retained
-    check("cuDevicePrimaryCtxRetain", err)
-    (err,) = cu.cuCtxPushCurrent(primary)
+    (err,) = cu.cuCtxPushCurrent(primary_context(device_index))
     check("cuCtxPushCurrent", err)
     try:
         yield
@@ -233,11 +239,7 @@ class EnqueueCalls:
         if ctx.value:
             return
         cu = driver()
-        err, dev = cu.cuDeviceGet(device_index)
-        check("cuDeviceGet", err)
-        err, primary = cu.cuDevicePrimaryCtxRetain(dev)  # the context torch uses too; kept retained
-        check("cuDevicePrimaryCtxRetain", err)
-        (err,) = cu.cuCtxSetCurrent(primary)
+        (err,) = cu.cuCtxSetCurrent(primary_context(device_index))
         check("cuCtxSetCurrent", err)
 
     def wait(self, stream: int, event_handle: int) -> None:

@@ -74,11 +74,6 @@ class CudaMover:
             np.stack([self._bases, self._piece_bytes, self._piece_offsets]).astype(np.int64), device=layout.device
         )
 
-    @property
-    def uses_kernel(self) -> bool:
-        """True when gathers and scatters run the NVRTC kernel (False: torch, one launch per tensor)."""
-        return self._kernel is not None
-
     def caller_event(self) -> DriverEvent:
         """An event recorded now on the calling thread's current stream (what its work so far ends with)."""
         self._calls.ensure_context(self._device_index)
