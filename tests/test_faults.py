@@ -1,6 +1,6 @@
 """Fault matrix: every failure point x every kind of transfer.
 
-Failure points: a copy error in the mover, a short write, a short read, ENOSPC, EIO, an IO thread
+Failure points: a copy error in the copier, a short write, a short read, ENOSPC, EIO, an IO thread
 failing with an exception that is not an OSError, a slow disk; each from the first call, and some
 from the second call (so that part of the transfer landed before the failure).
 
@@ -43,7 +43,7 @@ SLOW_S = 0.01
 
 
 class InjectedCopyError(RuntimeError):
-    """What the broken mover raises (a CUDA error, in real life)."""
+    """What the broken copier raises (a CUDA error, in real life)."""
 
 
 # fault name -> paths it breaks (slow-disk breaks nothing: it is only slow)
@@ -183,7 +183,7 @@ async def test_fault_fails_only_its_transfer(tmp_path, faults, fault, op, from_c
         n_injected = sum(f.injected for f in injected)
         assert n_injected > 0 or not (expect_failure or (SLOWED_PATHS.get(fault, set()) & uses)), "the fault never fired"
         FIGURES["faults injected"] += n_injected
-        faults.restore()  # the disk and the mover work again
+        faults.restore()  # the disk and the copier work again
 
         s = off.stats()
         assert (s.pending, s.pinned, s.spilling, s.in_flight) == (0, 0, 0, 0), s

@@ -59,7 +59,7 @@ def test_the_copy_kernel_compiles_with_nvrtc():
 async def test_round_trip_of_more_blocks_than_one_launch_takes(monkeypatch, engine):
     # 2,500 blocks of odd-sized pieces in one chunk: three kernel launches per gather and per scatter.
     if engine == "torch":  # the fallback where NVRTC is unavailable
-        monkeypatch.setattr("kvoffload._core.cuda.mover.piece_kernel", lambda device_index: None)
+        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
     caches = gpu_caches(3000, seed=4)
     orig = {n: t.clone() for n, t in caches.items()}
     g = torch.Generator().manual_seed(2)
@@ -158,9 +158,9 @@ async def test_load_waits_for_callers_stream():
 @pytest.mark.asyncio
 async def test_ordering_tests_fail_without_the_wait(monkeypatch):
     """The two tests above can fail: with the wait on the caller's stream removed, both see the race."""
-    from kvoffload._core.cuda.mover import CudaMover
+    from kvoffload._core.cuda.block_copy import CudaBlockCopier
 
-    monkeypatch.setattr(CudaMover, "wait_for", lambda self, event: None)
+    monkeypatch.setattr(CudaBlockCopier, "wait_for", lambda self, event: None)
     assert not await store_right_after_kernel_write()
     assert not await load_right_after_kernel_read()
 

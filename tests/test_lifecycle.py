@@ -135,10 +135,10 @@ def test_close_from_a_worker_thread_returns_at_once_and_a_later_close_waits_for_
     calls = copy_calls(off)
     real = calls.to_host
 
-    def close_inside_a_copy(mover, ids, host, rows):  # runs on the store loop's thread
+    def close_inside_a_copy(copier, ids, host, rows):  # runs on the store loop's thread
         off.close()
         returned.set()
-        return real(mover, ids, host, rows)
+        return real(copier, ids, host, rows)
 
     calls.to_host = close_inside_a_copy
     t = off.store({"b": 1})
@@ -343,13 +343,13 @@ async def _max_loop_gap_while(body) -> float:
 
 @pytest.mark.asyncio
 async def test_async_with_keeps_the_event_loop_responsive_while_start_and_close_block(tmp_path, monkeypatch):
-    real_storage = runtime_module.Storage
+    real_storage = runtime_module.TieredStorage
 
     def slow_storage(*args, **kw):  # allocating and pinning a large slab: long, and off the GIL
         time.sleep(0.3)
         return real_storage(*args, **kw)
 
-    monkeypatch.setattr(runtime_module, "Storage", slow_storage)
+    monkeypatch.setattr(runtime_module, "TieredStorage", slow_storage)
     path = tmp_path / "kv"
     off = kvoffload.Offloader(random_caches(16, seed=5), host_blocks=4, disk_path=path, disk_blocks=8, chunk_bytes=64 << 10)
 
@@ -390,14 +390,14 @@ async def test_cancelling_async_with_during_start_leaves_nothing_allocated(tmp_p
     loop = asyncio.get_running_loop()
     in_start = asyncio.Event()
     release = threading.Event()
-    real_storage = runtime_module.Storage
+    real_storage = runtime_module.TieredStorage
 
     def slow_storage(*args, **kw):  # start() blocks here until released
         loop.call_soon_threadsafe(in_start.set)
         release.wait(3)
         return real_storage(*args, **kw)
 
-    monkeypatch.setattr(runtime_module, "Storage", slow_storage)
+    monkeypatch.setattr(runtime_module, "TieredStorage", slow_storage)
     off = kvoffload.Offloader(random_caches(16, seed=6), host_blocks=4, disk_path=tmp_path / "kv", disk_blocks=8)
     body_ran = False
 

@@ -49,7 +49,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import kvoffload
 from kvoffload._testing import disk_io
 from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
-from kvoffload._core.movers import CpuMover
+from kvoffload._core.block_copy import CpuBlockCopier
 
 SOAK = os.environ.get("KVOFFLOAD_SOAK", "") not in ("", "0")
 MAX_EXAMPLES = int(os.environ.get("KVOFFLOAD_SOAK_EXAMPLES", "2000")) if SOAK else 300
@@ -69,7 +69,7 @@ FIGURES: Counter[str] = Counter()
 
 
 class Hooks:
-    """Runs in each chunk copy (mover) and each disk IO call before it happens.
+    """Runs in each chunk copy (copier) and each disk IO call before it happens.
 
     Always: checks the slot accounting of the running offloader. When armed: runs ``action`` at
     the ``at``-th call (the random point where a transfer is cancelled).
@@ -514,7 +514,7 @@ class OffloaderMachine(RuleBasedStateMachine):
 
 @pytest.mark.timeout(900)  # passing takes ~20 s; a failure may spend minutes shrinking the sequence
 def test_random_operations_match_the_model(tmp_path, monkeypatch):
-    real_to_host, real_to_device = CpuMover.to_host, CpuMover.to_device
+    real_to_host, real_to_device = CpuBlockCopier.to_host, CpuBlockCopier.to_device
 
     def to_host(self, *a):
         HOOKS.hit("to_host")
@@ -529,8 +529,8 @@ def test_random_operations_match_the_model(tmp_path, monkeypatch):
 
     if hasattr(engine, "MAX_SHRINKING_SECONDS"):
         monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 60)
-    monkeypatch.setattr(CpuMover, "to_host", to_host)
-    monkeypatch.setattr(CpuMover, "to_device", to_device)
+    monkeypatch.setattr(CpuBlockCopier, "to_host", to_host)
+    monkeypatch.setattr(CpuBlockCopier, "to_device", to_device)
     HOOKS.violations.clear()
     FIGURES.clear()
     OffloaderMachine.workdir = str(tmp_path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ._core.diskfile import IoCalls
 from ._core.hostmem import HostBuffer
-from ._core.lane import CopyCalls
+from ._core.copy_worker import CopyCalls
 from ._core.offloader import Offloader
 
 __all__ = ["disk_io", "copy_calls", "uses_o_direct", "pinned_buffers", "check_index", "IoCalls", "CopyCalls"]
@@ -34,10 +34,10 @@ def disk_io(off: Offloader) -> IoCalls | None:
 
 
 def copy_calls(off: Offloader) -> CopyCalls:
-    """How ``off``'s worker loops call their block movers (both directions).
+    """How ``off``'s worker loops call their block copiers (both directions).
 
-    ``calls.to_host(mover, block_ids, host, rows)`` and
-    ``calls.to_device(mover, host, rows, block_ids)``; replace either to gate
+    ``calls.to_host(copier, block_ids, host, rows)`` and
+    ``calls.to_device(copier, host, rows, block_ids)``; replace either to gate
     or break copies. GPU transfers between the cache and host memory make these
     calls in the thread that calls ``store()``/``load()`` (they are enqueued
     whole there): a gate on them holds that thread. Any exception raised fails the transfer with

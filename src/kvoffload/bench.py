@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._core.loops import LoopThread
+from ._core.worker_loop import WorkerLoop
 from ._core.offloader import Offloader
 
 __all__ = ["main", "Layout"]
@@ -547,7 +547,7 @@ def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000
 
 def wake_floor(n: int = 2000) -> list[float]:
     """Latencies of one ``call_soon_threadsafe`` hop from a plain thread into an idle loop."""
-    lt = LoopThread("kvoffload-bench-floor")
+    lt = WorkerLoop("kvoffload-bench-floor")
     lat: list[float] = []
     got = threading.Event()
 
@@ -568,7 +568,7 @@ def bridge_latency(kind: str, n: int = 2000) -> tuple[list[float], float]:
     """From an event's enqueue on an idle stream to the awaiting coroutine resuming; CPU per op."""
     from ._core.cuda.events import make_bridge
 
-    lt = LoopThread("kvoffload-bench-bridge", on_thread_start=lambda: torch.cuda.set_device(0))
+    lt = WorkerLoop("kvoffload-bench-bridge", on_thread_start=lambda: torch.cuda.set_device(0))
     bridge = make_bridge(kind, lt.loop, "kvoffload-bench-events")
     stream = torch.cuda.Stream()
 

@@ -1,4 +1,4 @@
-"""The :class:`Offloader` facade: validation, lifecycle, and handing transfers to the lanes."""
+"""The :class:`Offloader` facade: validation, lifecycle, and handing transfers to the workers."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 from .errors import ClosedError, OffloadError, StartError, TransferError
 from .foreign import ForeignCallError
 from .helper_threads import off_loop
-from .lane import Lane
+from .copy_worker import CopyWorker
 from .layout import BlockLayout, check_block_mapping
 from .options import Options
 from .runtime import Runtime, finalize_runtime, process_generation
 from .stats import OffloaderStats, TransferCounters
-from .tiers.storage import Storage
+from .tiers.tiered_storage import TieredStorage
 from .transfer import Transfer, TransferResult
 
 __all__ = ["Offloader", "OffloaderStats"]
@@ -205,15 +205,15 @@ class Offloader:
             raise ClosedError("the offloader is closed" if self._closed else "the offloader is not started: use 'async with', 'with' or start()")
         return rt
 
-    def _running_storage(self) -> Storage:
+    def _running_storage(self) -> TieredStorage:
         storage = self._running_runtime().storage
         if storage is None:
             raise ClosedError("the offloader is closed")
         return storage
 
-    def _lane(self, i: int) -> Lane:
+    def _worker(self, i: int) -> CopyWorker:
         assert self._runtime is not None
-        return self._runtime.lanes[i]
+        return self._runtime.workers[i]
 
     # -- transfers ----------------------------------------------------------------
 
@@ -237,11 +237,11 @@ class Offloader:
                 t = Transfer("store")
                 t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
                 return t
-            lane = self._lane(0)
-            after = self._ordering_event(lane, after)
-            storage.enqueue_store(lane, plan, after)
+            worker = self._worker(0)
+            after = self._ordering_event(worker, after)
+            storage.enqueue_store(worker, plan, after)
             return self._launch(
-                lane, "store", lambda lane, ev: storage.run_store(lane, plan, ev), lambda: storage.end_store(plan), after
+                worker, "store", lambda worker, ev: storage.run_store(worker, plan, ev), lambda: storage.end_store(plan), after
             )
 
     def load(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
@@ -263,11 +263,11 @@ class Offloader:
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
                 return t
             plan = storage.plan_load(checked)
-            lane = self._lane(1)
-            after = self._ordering_event(lane, after)
-            storage.enqueue_load(lane, plan, after)
+            worker = self._worker(1)
+            after = self._ordering_event(worker, after)
+            storage.enqueue_load(worker, plan, after)
             return self._launch(
-                lane, "load", lambda lane, ev: storage.run_load(lane, plan, ev), lambda: storage.end_load(plan), after
+                worker, "load", lambda worker, ev: storage.run_load(worker, plan, ev), lambda: storage.end_load(plan), after
             )
 
     def _check_after(self, after: object) -> None:
@@ -279,15 +279,15 @@ class Offloader:
             raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
 
     @staticmethod
-    def _ordering_event(lane: Lane, after: torch.cuda.Event | None) -> Any:
+    def _ordering_event(worker: CopyWorker, after: torch.cuda.Event | None) -> Any:
         """What the copies wait for: ``after``, else (GPU caches) an event recorded now on the caller's stream."""
-        return after if after is not None else lane.mover.caller_event()
+        return after if after is not None else worker.copier.caller_event()
 
     def _launch(
         self,
-        lane: Lane,
+        worker: CopyWorker,
         kind: Literal["store", "load"],
-        run: Callable[[Lane, Any], Awaitable[TransferResult]],
+        run: Callable[[CopyWorker, Any], Awaitable[TransferResult]],
         cleanup: Callable[[], None],
         after: Any,
     ) -> Transfer:
@@ -297,7 +297,7 @@ class Offloader:
 
         async def guarded() -> TransferResult:
             try:
-                return await run(lane, after)
+                return await run(worker, after)
             except ForeignCallError as e:  # the user's (or the driver's) own exception becomes the cause
                 raise TransferError(f"{kind} failed: {e}") from e.__cause__
             except (asyncio.CancelledError, OffloadError, GeneratorExit):
@@ -305,7 +305,7 @@ class Offloader:
             except BaseException as e:  # SystemExit & co. too: out of a task they would stop the worker loop
                 raise TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}") from e
 
-        lane.thread.start_transfer(transfer, guarded, cleanup, on_end=self._counters.ended)
+        worker.thread.start_transfer(transfer, guarded, cleanup, on_end=self._counters.ended)
         return transfer
 
     # -- index ----------------------------------------------------------------------

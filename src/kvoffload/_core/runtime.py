@@ -19,13 +19,13 @@ import torch
 from .cuda.events import make_bridge
 from .errors import CloseError
 from .helper_threads import HelperThread, on_worker_thread
-from .lane import CopyCalls, Lane
+from .copy_worker import CopyCalls, CopyWorker
 from .layout import BlockLayout
-from .loops import LoopThread
-from .movers import make_mover
+from .worker_loop import WorkerLoop
+from .block_copy import make_block_copier
 from .options import Options
 from .tiers.disk import DiskTier
-from .tiers.storage import Storage
+from .tiers.tiered_storage import TieredStorage
 
 __all__ = ["Runtime", "finalize_runtime", "process_generation"]
 
@@ -100,8 +100,8 @@ class Runtime:
         self.pid = os.getpid()
         self.generation = _generation
         self.layout = layout
-        self.storage: Storage | None = None
-        self.lanes: list[Lane] = []
+        self.storage: TieredStorage | None = None
+        self.workers: list[CopyWorker] = []
         self.copy_calls = CopyCalls()
         self.closed = False
         """True once everything is released (threads joined, memory freed, file removed)."""
@@ -114,20 +114,20 @@ class Runtime:
             _live.add(self)
         try:
             _check_host_memory(opts.host_blocks * layout.slot_bytes)
-            self.storage = Storage(
+            self.storage = TieredStorage(
                 layout, opts.host_blocks, opts.disk_path, opts.disk_blocks,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
             )
             for name in ("store", "load"):
-                thread = LoopThread(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
+                thread = WorkerLoop(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
                 try:
-                    mover = make_mover(layout, caches, opts)
+                    copier = make_block_copier(layout, caches, opts)
                     bridge = make_bridge(opts.completion, thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
                 except BaseException:
                     thread.stop(5.0)
                     raise
-                self.lanes.append(Lane(thread, mover, bridge, self.copy_calls))
+                self.workers.append(CopyWorker(thread, copier, bridge, self.copy_calls))
         except BaseException:
             try:
                 self._close_now(5.0)
@@ -170,16 +170,16 @@ class Runtime:
             log.exception("kvoffload: closing the offloader failed; call close() again to finish")
 
     def _close_now(self, timeout: float) -> None:
-        stuck = [lane.thread.name for lane in self.lanes if not lane.thread.stop(timeout)]
+        stuck = [worker.thread.name for worker in self.workers if not worker.thread.stop(timeout)]
         if stuck:  # never free memory a live thread may still copy into
             raise CloseError(
                 f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"
             )
-        for lane in self.lanes:
-            if lane.bridge is not None:
-                lane.bridge.close()
-            lane.mover.close()
-        self.lanes = []
+        for worker in self.workers:
+            if worker.bridge is not None:
+                worker.bridge.close()
+            worker.copier.close()
+        self.workers = []
         storage, self.storage = self.storage, None
         if storage is not None:
             disk = storage.disk

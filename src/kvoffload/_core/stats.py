@@ -57,7 +57,7 @@ class TransferCounters:
             self.in_flight += 1
 
     def ended(self, t: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        """Count a transfer's end; runs before the transfer is finished (``LoopThread.start_transfer``'s
+        """Count a transfer's end; runs before the transfer is finished (``WorkerLoop.start_transfer``'s
         ``on_end``), so a waiter that wakes already sees it counted."""
         with self.lock:
             self.in_flight -= 1

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
-from .wakeup import mailbox_of, resolve
+from .cross_thread import mailbox_of, resolve
 
 __all__ = ["Transfer", "TransferResult"]
 

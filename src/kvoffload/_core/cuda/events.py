@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from ..wakeup import resolve
+from ..cross_thread import resolve
 
 __all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge"]
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..hostmem import HostBuffer
-from ..lane import CopyRequest, Lane
+from ..copy_worker import CopyRequest, CopyWorker
 from ..layout import BlockLayout
 from .host import chunked
 
@@ -153,7 +153,7 @@ class DiskTier:
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
-    async def store(self, lane: Lane, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
+    async def store(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
         """Copy cache blocks to disk slots (``(block id, slot)``); ``landed(n)`` after each chunk is on disk.
 
         Chunk N is copied into a free bounce half while the IO threads write
@@ -171,8 +171,8 @@ class DiskTier:
                     landed(writes.popleft()[1])
                 half = await pool.acquire()
                 rows = pool.rows_of(half, len(chunk))
-                event = await lane.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
-                await lane.wait(event)
+                event = await worker.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
+                await worker.wait(event)
                 event = None
                 batch = self.write_rows(pool.array, rows, [s for _, s in chunk])
                 pool.release_after(batch.wait(), half)
@@ -182,14 +182,14 @@ class DiskTier:
                 await writes[0][0].wait()
                 landed(writes.popleft()[1])
         except BaseException:
-            await lane.settle(event)
+            await worker.settle(event)
             if half is not None:
                 pool.release(half)
             for w, _ in writes:
                 await w.settle()
             raise
 
-    async def load(self, lane: Lane, pairs: Sequence[tuple[int, int]]) -> None:
+    async def load(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy disk slots to cache blocks (``(slot, block id)``), reading one chunk ahead.
 
         A bounce half is freed when the copy out of it has completed. The read
@@ -223,17 +223,17 @@ class DiskTier:
                     if free is not None:
                         reading = start_read(i + 1, free)
                 try:
-                    last = await lane.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
+                    last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
                 finally:
-                    pool.release_after(lane.settle(last), half)
+                    pool.release_after(worker.settle(last), half)
                 if more and reading is None:
                     reading = start_read(i + 1, await pool.acquire())
-            await lane.wait(last)
+            await worker.wait(last)
         except BaseException:
             if reading is not None:
                 await reading[0].settle()
                 pool.release(reading[1])
-            await lane.settle(last)
+            await worker.settle(last)
             raise
 
     def bounce_buffers(self) -> list[HostBuffer]:

@@ -1,7 +1,7 @@
 """The host tier: one slab of (pinned) host memory holding ``slots`` block slots.
 
 Slot ``i`` is row ``i`` of a ``uint8[slots, slot_bytes]`` view of the slab. The
-tier moves blocks between the cache and its slots in chunks on a lane; which
+tier moves blocks between the cache and its slots in chunks on a worker; which
 key lives in which slot is the index's business, not the tier's.
 """
 
@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..hostmem import HostBuffer
-from ..lane import CopyRequest, Lane
+from ..copy_worker import CopyRequest, CopyWorker
 from ..layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
@@ -48,13 +48,13 @@ class HostTier:
         """Copies of slots into cache blocks (``(slot, block id)`` pairs), one per chunk of ``chunk_blocks``."""
         return [CopyRequest(False, self.rows, [b for _, b in c], [s for s, _ in c]) for c in chunked(pairs, chunk_blocks)]
 
-    async def copy_in(self, lane: Lane, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
-        """Copy cache blocks into slots (``(block id, slot)`` pairs) on the lane's loop; ``landed(n)`` after each chunk of n."""
-        await lane.pipeline(self.requests_in(pairs, lane.mover.chunk_blocks), lambda r: r, lambda r: landed(len(r.block_ids)))
+    async def copy_in(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
+        """Copy cache blocks into slots (``(block id, slot)`` pairs) on the worker's loop; ``landed(n)`` after each chunk of n."""
+        await worker.pipeline(self.requests_in(pairs, worker.copier.chunk_blocks), lambda r: r, lambda r: landed(len(r.block_ids)))
 
-    async def copy_out(self, lane: Lane, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy slots into cache blocks (``(slot, block id)`` pairs) on the lane's loop."""
-        await lane.pipeline(self.requests_out(pairs, lane.mover.chunk_blocks), lambda r: r, lambda r: None)
+    async def copy_out(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy slots into cache blocks (``(slot, block id)`` pairs) on the worker's loop."""
+        await worker.pipeline(self.requests_out(pairs, worker.copier.chunk_blocks), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

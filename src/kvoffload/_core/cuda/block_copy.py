@@ -12,7 +12,7 @@ NVRTC (``kernels.py``); where NVRTC is unavailable, one torch ``index_select`` /
 
 Copies are submitted from the callers' threads (host-tier transfers are enqueued
 whole at call time) or from a worker loop (disk tier, spills), one at a time under
-the lane's submit lock. Every driver call on that path is made without releasing
+the worker's submit lock. Every driver call on that path is made without releasing
 the GIL (``driver.EnqueueCalls``): with another thread of the process busy in
 Python, each release could cost the 5 ms switch interval.
 
@@ -38,10 +38,10 @@ from ..layout import BlockLayout, runs
 from .driver import BatchCopy, DriverEvent, enqueue_calls
 from .kernels import piece_kernel
 
-__all__ = ["CudaMover"]
+__all__ = ["CudaBlockCopier"]
 
 
-class CudaMover:
+class CudaBlockCopier:
     """One direction's streams, staging buffers and batched copy."""
 
     def __init__(

@@ -1,7 +1,7 @@
 """Dedicated event loops, each running in its own thread.
 
-The offloader runs stores on one :class:`LoopThread` and loads on another, so a
-long store never delays a load. Transfers are started with :meth:`LoopThread.start_transfer`,
+The offloader runs stores on one :class:`WorkerLoop` and loads on another, so a
+long store never delays a load. Transfers are started with :meth:`WorkerLoop.start_transfer`,
 which creates the worker task on the loop and wires it to its :class:`Transfer`
 handle. Cancellation goes to the worker task itself (``task.cancel()`` on its
 loop) rather than through the future of ``run_coroutine_threadsafe``, whose
@@ -17,9 +17,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .transfer import Transfer, TransferResult
-from .wakeup import Mailbox
+from .cross_thread import Mailbox
 
-__all__ = ["LoopThread", "EndHook"]
+__all__ = ["WorkerLoop", "EndHook"]
 
 log = logging.getLogger("kvoffload")
 
@@ -27,7 +27,7 @@ EndHook = Callable[[Transfer, TransferResult | None, BaseException | None, bool]
 """``on_end(transfer, result, exc, cancelled)``: runs on the loop just before ``transfer`` is finished."""
 
 
-class LoopThread:
+class WorkerLoop:
     """An asyncio loop running forever in a named daemon thread."""
 
     def __init__(self, name: str, on_thread_start: Callable[[], Any] | None = None) -> None:

@@ -1,13 +1,13 @@
-"""A *lane*: one direction's worker loop with its block mover and completion bridge.
+"""A *worker*: one direction's worker loop with its block copier and completion bridge.
 
-The offloader has a store lane and a load lane. Tiers copy blocks through
-:meth:`Lane.copy`, which *coalesces*: every copy requested during one turn of
-the loop is submitted together in the next, as one mover call per host buffer
+The offloader has a store worker and a load worker. Tiers copy blocks through
+:meth:`CopyWorker.copy`, which *coalesces*: every copy requested during one turn of
+the loop is submitted together in the next, as one copier call per host buffer
 (up to ``chunk_blocks`` blocks), sharing one completion event. A thousand
 one-block transfers in flight thus cost a few dozen driver calls and events,
 not a thousand.
 
-:meth:`Lane.pipeline` keeps a few chunks of one transfer in flight, reports each
+:meth:`CopyWorker.pipeline` keeps a few chunks of one transfer in flight, reports each
 chunk as it completes, and on cancellation or error waits for every copy
 already submitted before the exception propagates.
 """
@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 import torch
 
 from .foreign import call_foreign
-from .loops import LoopThread
-from .movers import BlockMover
+from .worker_loop import WorkerLoop
+from .block_copy import BlockCopier
 
-__all__ = ["Lane", "CopyRequest", "CopyCalls", "Enqueued"]
+__all__ = ["CopyWorker", "CopyRequest", "CopyCalls", "Enqueued"]
 
 C = TypeVar("C")
 
@@ -45,30 +45,30 @@ class CopyRequest:
     event: Any = None
 
 
-def _to_host(mover: BlockMover, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
-    return mover.to_host(block_ids, host, rows)
+def _to_host(copier: BlockCopier, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
+    return copier.to_host(block_ids, host, rows)
 
 
-def _to_device(mover: BlockMover, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
-    return mover.to_device(host, rows, block_ids)
+def _to_device(copier: BlockCopier, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
+    return copier.to_device(host, rows, block_ids)
 
 
 @dataclass
 class CopyCalls:
-    """How lanes call their mover: ``to_host(mover, block_ids, host, rows)`` and
-    ``to_device(mover, host, rows, block_ids)``, looked up at every call.
+    """How workers call their copier: ``to_host(copier, block_ids, host, rows)`` and
+    ``to_device(copier, host, rows, block_ids)``, looked up at every call.
 
-    One per offloader, shared by both lanes; ``kvoffload._testing.copy_calls``
+    One per offloader, shared by both workers; ``kvoffload._testing.copy_calls``
     hands it to tests, which replace an attribute to gate or break copies.
     """
 
-    to_host: Callable[[BlockMover, Sequence[int], torch.Tensor, Sequence[int]], Any] = _to_host
-    to_device: Callable[[BlockMover, torch.Tensor, Sequence[int], Sequence[int]], Any] = _to_device
+    to_host: Callable[[BlockCopier, Sequence[int], torch.Tensor, Sequence[int]], Any] = _to_host
+    to_device: Callable[[BlockCopier, torch.Tensor, Sequence[int], Sequence[int]], Any] = _to_device
 
 
 @dataclass(eq=False)
 class Enqueued:
-    """Copies submitted by :meth:`Lane.enqueue`: one completion event per request, in order, and
+    """Copies submitted by :meth:`CopyWorker.enqueue`: one completion event per request, in order, and
     the error that stopped the submission (the requests after it were not submitted)."""
 
     events: list[Any]
@@ -85,31 +85,31 @@ class Enqueued:
                 return
 
 
-class Lane:
-    """Loop thread + mover + bridge for one direction."""
+class CopyWorker:
+    """Loop thread + copier + bridge for one direction."""
 
-    def __init__(self, loop_thread: LoopThread, mover: BlockMover, bridge: Any, calls: CopyCalls, depth: int = 3) -> None:
+    def __init__(self, loop_thread: WorkerLoop, copier: BlockCopier, bridge: Any, calls: CopyCalls, depth: int = 3) -> None:
         self.thread = loop_thread
-        self.mover = mover
+        self.copier = copier
         self.calls = calls
         self.bridge = bridge
         self.depth = depth
         self._pending: list[CopyRequest] = []
         self._flush_scheduled = False
         self._submit_lock = threading.Lock()
-        """Held while the mover enqueues: callers' threads (:meth:`enqueue`) and the loop (:meth:`copy`) share it."""
+        """Held while the copier enqueues: callers' threads (:meth:`enqueue`) and the loop (:meth:`copy`) share it."""
 
     def _submit(self, to_host: bool, host: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> Any:
         if to_host:
-            return call_foreign("copy to host", self.calls.to_host, self.mover, ids, host, rows)
-        return call_foreign("copy to device", self.calls.to_device, self.mover, host, rows, ids)
+            return call_foreign("copy to host", self.calls.to_host, self.copier, ids, host, rows)
+        return call_foreign("copy to device", self.calls.to_device, self.copier, host, rows, ids)
 
     # -- submission at call time ---------------------------------------------------------
 
     def enqueue(self, requests: Sequence[CopyRequest], after: Any) -> Enqueued:
         """Submit every request now, in the calling thread, after ``after`` (an event, or None).
 
-        For GPU caches this only enqueues work on the mover's streams, so the
+        For GPU caches this only enqueues work on the copier's streams, so the
         copies run with no Python step between them, whatever the calling
         thread or the worker loop do meanwhile. Stops at the first error.
         """
@@ -117,7 +117,7 @@ class Lane:
         with self._submit_lock:
             try:
                 if after is not None:
-                    self.mover.wait_for(after)
+                    self.copier.wait_for(after)
                 for r in requests:
                     events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
             except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
@@ -171,7 +171,7 @@ class Lane:
         self._flush_scheduled = False
         pending, self._pending = self._pending, []
         pending = [r for r in pending if not r.future.cancelled()]
-        limit = self.mover.chunk_blocks
+        limit = self.copier.chunk_blocks
         i = 0
         while i < len(pending):
             first = pending[i]

@@ -1,10 +1,10 @@
 """Block movers: copy blocks between the KV cache and rows of host memory.
 
-A mover serves one direction's worker loop. ``to_host`` / ``to_device`` copy a
+A copier serves one direction's worker loop. ``to_host`` / ``to_device`` copy a
 chunk of at most ``chunk_blocks`` blocks and return a completion event, or
 None when the copy already happened (CPU caches). Host memory is given as a
 ``uint8[rows, slot_bytes]`` tensor and a row number per block, so the same
-mover fills host-tier slots and disk bounce buffers alike.
+copier fills host-tier slots and disk bounce buffers alike.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from .layout import BlockLayout, runs
 from .options import Options
 
-__all__ = ["BlockMover", "CpuMover", "make_mover"]
+__all__ = ["BlockCopier", "CpuBlockCopier", "make_block_copier"]
 
 
-class BlockMover(Protocol):
+class BlockCopier(Protocol):
     """Copies chunks of blocks between the cache and host rows, in submission order."""
 
     chunk_blocks: int
@@ -46,7 +46,7 @@ class BlockMover(Protocol):
         ...
 
 
-class CpuMover:
+class CpuBlockCopier:
     """Synchronous copies between CPU-tensor caches and host rows.
 
     Runs of consecutive blocks and rows become one slice copy per tensor;
@@ -98,12 +98,12 @@ class CpuMover:
         self._rows = []
 
 
-def make_mover(layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], options: Options) -> BlockMover:
-    """A :class:`CpuMover` for CPU caches, a CUDA mover (own streams, staging, copy kernel) for GPU caches."""
+def make_block_copier(layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], options: Options) -> BlockCopier:
+    """A :class:`CpuBlockCopier` for CPU caches, a CUDA copier (own streams, staging, copy kernel) for GPU caches."""
     if not layout.is_cuda:
-        return CpuMover(layout, kv_caches, options.chunk_bytes)
-    from .cuda.mover import CudaMover
+        return CpuBlockCopier(layout, kv_caches, options.chunk_bytes)
+    from .cuda.block_copy import CudaBlockCopier
 
-    return CudaMover(
+    return CudaBlockCopier(
         layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas
     )

@@ -19,14 +19,14 @@ from typing import Any
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..lane import Enqueued, Lane
+from ..copy_worker import Enqueued, CopyWorker
 from ..layout import BlockLayout
 from ..transfer import TransferResult
-from ..wakeup import resolve_from_any_thread
+from ..cross_thread import resolve_from_any_thread
 from .disk import DiskTier
 from .host import HostTier, chunked
 
-__all__ = ["Storage", "StorePlan", "LoadPlan"]
+__all__ = ["TieredStorage", "StorePlan", "LoadPlan"]
 
 
 @dataclass
@@ -39,7 +39,7 @@ class StorePlan:
     published: int = 0
     finished: bool = False
     enqueued: Enqueued | None = None
-    """Copies submitted at call time (see :meth:`Storage.enqueue_store`); None: the worker copies."""
+    """Copies submitted at call time (see :meth:`TieredStorage.enqueue_store`); None: the worker copies."""
 
 
 @dataclass
@@ -51,10 +51,10 @@ class LoadPlan:
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
     enqueued: Enqueued | None = None
-    """Copies submitted at call time (see :meth:`Storage.enqueue_load`); None: the worker copies."""
+    """Copies submitted at call time (see :meth:`TieredStorage.enqueue_load`); None: the worker copies."""
 
 
-class Storage:
+class TieredStorage:
     """The host and disk tiers with their common index."""
 
     def __init__(
@@ -92,7 +92,7 @@ class Storage:
         r = self.index.reserve(blocks)
         return StorePlan(r, [blocks[e.key] for e in r.entries])
 
-    def enqueue_store(self, lane: Lane, plan: StorePlan, after: Any) -> bool:
+    def enqueue_store(self, worker: CopyWorker, plan: StorePlan, after: Any) -> bool:
         """Submit the whole store now, in the caller's thread, if it can be: a GPU cache into host
         slots that need no spill. Its copies then run on the GPU with no Python step between chunks,
         however busy the caller's or the worker's thread; the worker only follows completion."""
@@ -100,28 +100,28 @@ class Storage:
             return False
         assert self.host is not None
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
-        plan.enqueued = lane.enqueue(self.host.requests_in(pairs, lane.mover.chunk_blocks), after)
+        plan.enqueued = worker.enqueue(self.host.requests_in(pairs, worker.copier.chunk_blocks), after)
         return True
 
-    async def run_store(self, lane: Lane, plan: StorePlan, after: Any) -> TransferResult:
+    async def run_store(self, worker: CopyWorker, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
         entries = plan.reservation.entries
         if plan.enqueued is not None:
-            chunk = lane.mover.chunk_blocks
-            await lane.completed(plan.enqueued, lambda i: self._publish(plan, min(chunk, len(entries) - i * chunk)))
+            chunk = worker.copier.chunk_blocks
+            await worker.completed(plan.enqueued, lambda i: self._publish(plan, min(chunk, len(entries) - i * chunk)))
             return self._store_result(plan)
         if after is not None:
-            lane.mover.wait_for(after)
+            worker.copier.wait_for(after)
         if plan.reservation.spills:
             await self._spill(plan)
 
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, entries)]
         if self.index.store_tier == HOST:
             assert self.host is not None
-            await self.host.copy_in(lane, pairs, lambda n: self._publish(plan, n))
+            await self.host.copy_in(worker, pairs, lambda n: self._publish(plan, n))
         else:
             assert self.disk is not None
-            await self.disk.store(lane, pairs, lambda n: self._publish(plan, n))
+            await self.disk.store(worker, pairs, lambda n: self._publish(plan, n))
         return self._store_result(plan)
 
     def _publish(self, plan: StorePlan, n: int) -> None:
@@ -175,31 +175,31 @@ class Storage:
         keys = list(blocks)
         return LoadPlan(self.index.pin(keys), [blocks[k] for k in keys])
 
-    def enqueue_load(self, lane: Lane, plan: LoadPlan, after: Any) -> bool:
+    def enqueue_load(self, worker: CopyWorker, plan: LoadPlan, after: Any) -> bool:
         """Submit the whole load now, in the caller's thread, if it can be: a GPU cache and every key
         in host memory (see :meth:`enqueue_store`)."""
         if not self.layout.is_cuda or any(p.tier != HOST for p in plan.pins):
             return False
         assert self.host is not None
         pairs = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)]
-        plan.enqueued = lane.enqueue(self.host.requests_out(pairs, lane.mover.chunk_blocks), after)
+        plan.enqueued = worker.enqueue(self.host.requests_out(pairs, worker.copier.chunk_blocks), after)
         return True
 
-    async def run_load(self, lane: Lane, plan: LoadPlan, after: Any) -> TransferResult:
+    async def run_load(self, worker: CopyWorker, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
         if plan.enqueued is not None:
-            await lane.completed(plan.enqueued)
+            await worker.completed(plan.enqueued)
             return self._load_result(plan)
         if after is not None:
-            lane.mover.wait_for(after)
+            worker.copier.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
         from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK]
         if from_host:
             assert self.host is not None
-            await self.host.copy_out(lane, from_host)
+            await self.host.copy_out(worker, from_host)
         if from_disk:
             assert self.disk is not None
-            await self.disk.load(lane, from_disk)
+            await self.disk.load(worker, from_disk)
         return self._load_result(plan)
 
     def _load_result(self, plan: LoadPlan) -> TransferResult:
