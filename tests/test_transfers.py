@@ -66,6 +66,25 @@ async def test_many_concurrent_transfers_from_many_tasks():
         assert same_bytes(caches[n].flip(0), orig[n])
 
 
+@pytest.mark.asyncio
+async def test_one_block_transfers_of_one_loop_turn_share_their_copies(faults):
+    """Small transfers handed over together are copied together: 256 one-block stores (then loads)
+    started in one loop turn take a few copy calls, not 256, and still round-trip byte for byte."""
+    caches = random_caches(256, seed=13)
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=256) as off:
+        to_host = faults.spy(off, "to_host")
+        await asyncio.gather(*[off.store({i: i}) for i in range(256)])
+        to_device = faults.spy(off, "to_device")
+        for t in caches.values():
+            t.zero_()
+        await asyncio.gather(*[off.load({i: 255 - i}) for i in range(256)])
+        assert 1 <= to_host.passed <= 16 and 1 <= to_device.passed <= 16, (to_host.passed, to_device.passed)
+        assert sum(len(args[1]) for args in to_host.calls) == 256
+    for n in caches:
+        assert same_bytes(caches[n].flip(0), orig[n])
+
+
 def test_transfers_from_plain_threads_and_other_loops():
     caches = random_caches(128, seed=3)
     orig = snapshot(caches)

@@ -1,33 +1,46 @@
-"""A *worker*: one direction's worker loop with its block copier and completion bridge.
+"""A *copy worker*: one direction's worker loop, its block copier and its completion bridge.
 
-The offloader has a store worker and a load worker. Tiers copy blocks through
-:meth:`CopyWorker.copy`, which *coalesces*: every copy requested during one turn of
-the loop is submitted together in the next, as one copier call per host buffer
-(up to ``chunk_blocks`` blocks), sharing one completion event. A thousand
-one-block transfers in flight thus cost a few dozen driver calls and events,
-not a thousand.
+The offloader has a store worker and a load worker. A transfer reaches its
+worker one of two ways:
 
-:meth:`CopyWorker.pipeline` keeps a few chunks of one transfer in flight, reports each
-chunk as it completes, and on cancellation or error waits for every copy
-already submitted before the exception propagates.
+* **Quick** (:meth:`CopyWorker.start_quick`): a transfer between the cache
+  and host slots that needs nothing else (no spill, no disk). Its copies are
+  either enqueued whole in the caller's thread (GPU caches, :meth:`enqueue`)
+  or made by the worker in one step (CPU caches, one chunk). The worker runs
+  no task for it: every quick transfer handed over during one loop turn is
+  taken in one batch callback, their copies submitted together (coalesced into
+  one copier call per host buffer and chunk), and each is finished from the
+  completion of its last copy. Waiters are woken last, once the batch is done.
+* **Task** (:meth:`CopyWorker.start_task`): everything else (spills, the disk
+  tier, multi-chunk CPU copies) runs as a coroutine on the loop, copying
+  through :meth:`copy` (coalesced the same way) and :meth:`pipeline`.
+
+Either way, what a transfer's foreign calls raise is turned into
+:class:`TransferError` at one place (:func:`as_transfer_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
-from .foreign import call_foreign
-from .worker_loop import WorkerLoop
 from .block_copy import BlockCopier
+from .errors import OffloadError, TransferError
+from .foreign import ForeignCallError, call_foreign
+from .transfer import Transfer, TransferResult
+from .worker_loop import EndHook, WorkerLoop
 
-__all__ = ["CopyWorker", "CopyRequest", "CopyCalls", "Enqueued"]
+__all__ = ["CopyWorker", "CopyWorkers", "CopyRequest", "CopyCalls", "Enqueued", "JobSteps", "QuickJob", "as_transfer_error"]
+
+log = logging.getLogger("kvoffload")
 
 C = TypeVar("C")
 
@@ -68,8 +81,9 @@ class CopyCalls:
 
 @dataclass(eq=False)
 class Enqueued:
-    """Copies submitted by :meth:`CopyWorker.enqueue`: one completion event per request, in order, and
-    the error that stopped the submission (the requests after it were not submitted)."""
+    """Copies submitted together: one completion event per request, in order (None: the copy
+    already happened), and the error that stopped the submission (the requests after it were
+    not submitted)."""
 
     events: list[Any]
     error: Exception | None
@@ -85,11 +99,71 @@ class Enqueued:
                 return
 
 
-class CopyWorker:
-    """Loop thread + copier + bridge for one direction."""
+def as_transfer_error(kind: str, e: BaseException) -> BaseException:
+    """What a transfer reports for ``e``: the library's own errors and cancellation as they are,
+    anything else (the user's, the driver's, ``SystemExit``) as :class:`TransferError` with it as
+    the cause. The one place where foreign exceptions become kvoffload's."""
+    if isinstance(e, ForeignCallError):  # the original exception becomes the cause
+        err = TransferError(f"{kind} failed: {e}")
+        err.__cause__ = e.__cause__
+        return err
+    if isinstance(e, (asyncio.CancelledError, OffloadError, GeneratorExit)):
+        return e
+    err = TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}")
+    err.__cause__ = e
+    return err
 
-    def __init__(self, loop_thread: WorkerLoop, copier: BlockCopier, bridge: Any, calls: CopyCalls, depth: int = 3) -> None:
-        self.thread = loop_thread
+
+class JobSteps(Protocol):
+    """A transfer's own bookkeeping, which its worker calls back (the tiers' store and load plans)."""
+
+    reports_landings: bool
+    """True: call :meth:`landed` as each copy completes (stores publish chunk by chunk)."""
+
+    def landed(self, i: int) -> None:
+        """Copy ``i`` (and every copy before it) has completed."""
+        ...
+
+    def result(self) -> TransferResult:
+        """The finished transfer's result."""
+        ...
+
+    def cleanup(self) -> None:
+        """Undo what did not finish; runs however the transfer ends, once its copies have completed. Idempotent."""
+        ...
+
+
+class QuickJob:
+    """A transfer between the cache and host slots, run by the worker without a task.
+
+    Exactly one of ``requests`` (copies the worker makes) and ``enqueued`` (copies
+    submitted at call time) is given. ``on_end`` sees the outcome before the
+    transfer is finished.
+    """
+
+    __slots__ = ("transfer", "steps", "on_end", "requests", "enqueued", "next_landing", "ended")
+
+    def __init__(
+        self, transfer: Transfer, steps: JobSteps, on_end: EndHook, *,
+        requests: list[CopyRequest] | None = None, enqueued: Enqueued | None = None,
+    ) -> None:
+        self.transfer = transfer
+        self.steps = steps
+        self.on_end = on_end
+        self.requests = requests
+        self.enqueued = enqueued
+        self.next_landing = 0
+        self.ended = False
+
+
+class CopyWorker:
+    """One direction's worker: loop thread + block copier + completion bridge."""
+
+    def __init__(
+        self, kind: Literal["store", "load"], loop: WorkerLoop, copier: BlockCopier, bridge: Any, calls: CopyCalls, depth: int = 3
+    ) -> None:
+        self.kind = kind
+        self.loop = loop
         self.copier = copier
         self.calls = calls
         self.bridge = bridge
@@ -97,14 +171,19 @@ class CopyWorker:
         self._pending: list[CopyRequest] = []
         self._flush_scheduled = False
         self._submit_lock = threading.Lock()
-        """Held while the copier enqueues: callers' threads (:meth:`enqueue`) and the loop (:meth:`copy`) share it."""
+        """Held while the copier enqueues: callers' threads (:meth:`enqueue`) and the loop share it."""
+        self._arrived: list[QuickJob] = []
+        self._batch_scheduled = False
+        self._live: set[QuickJob] = set()
+        self._finishing: list[tuple[QuickJob, TransferResult | None, BaseException | None, bool]] | None = None
+        loop.add_stop_hook(self._end_quick_jobs)
 
     def _submit(self, to_host: bool, host: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> Any:
         if to_host:
             return call_foreign("copy to host", self.calls.to_host, self.copier, ids, host, rows)
         return call_foreign("copy to device", self.calls.to_device, self.copier, host, rows, ids)
 
-    # -- submission at call time ---------------------------------------------------------
+    # -- submission at call time (callers' threads) ------------------------------------------
 
     def enqueue(self, requests: Sequence[CopyRequest], after: Any) -> Enqueued:
         """Submit every request now, in the calling thread, after ``after`` (an event, or None).
@@ -124,26 +203,163 @@ class CopyWorker:
                 return Enqueued(events, e)
         return Enqueued(events, None)
 
-    async def completed(self, enqueued: Enqueued, landed: Callable[[int], Any] | None = None) -> None:
-        """Wait for the copies of ``enqueued`` in order, ``landed(i)`` as request ``i``'s completes
-        (without ``landed``, only for the last: one wake-up for the whole transfer); then raise
-        the submission's error, if any. On cancellation, waits for every submitted copy before
-        ``CancelledError`` propagates."""
-        try:
-            if landed is None:
-                await self.wait(enqueued.events[-1] if enqueued.events else None)
-            else:
-                for i, event in enumerate(enqueued.events):
-                    await self.wait(event)
-                    landed(i)
-        except BaseException:
-            if enqueued.events:
-                await self.settle(enqueued.events[-1])
-            raise
-        if enqueued.error is not None:
-            raise enqueued.error
+    # -- quick transfers ------------------------------------------------------------------------
 
-    # -- coalesced submission ---------------------------------------------------------
+    def start_quick(self, job: QuickJob) -> None:
+        """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn."""
+        self.loop.mailbox.post(self._arrive, job)
+
+    def _arrive(self, job: QuickJob) -> None:
+        self._live.add(job)
+        self._arrived.append(job)
+        if not self._batch_scheduled:
+            self._batch_scheduled = True
+            self.loop.loop.call_soon(self._run_batch)
+
+    def _run_batch(self) -> None:
+        """Take every quick job that arrived this turn: submit their copies, follow their completion."""
+        self._batch_scheduled = False
+        jobs, self._arrived = self._arrived, []
+        self._finishing = []
+        try:
+            to_copy: list[QuickJob] = []
+            for job in jobs:
+                if job.enqueued is not None:
+                    self._follow(job)
+                elif job.transfer._cancel_requested:  # nothing copied yet: nothing to wait for
+                    self._end(job, cancelled=True)
+                else:
+                    to_copy.append(job)
+            self._copy_coalesced(to_copy)
+        finally:
+            finishing, self._finishing = self._finishing, None
+            for args in finishing:  # wake-ups last: each may hand the GIL to a woken thread
+                self._finish(*args)
+
+    def _copy_coalesced(self, jobs: list[QuickJob]) -> None:
+        """Submit the jobs' copies, one copier call per run of jobs into the same host buffer."""
+        limit = self.copier.chunk_blocks
+        i = 0
+        while i < len(jobs):
+            first = jobs[i]
+            assert first.requests is not None and len(first.requests) == 1
+            req = first.requests[0]
+            group, n, j = [first], len(req.block_ids), i + 1
+            while j < len(jobs):
+                nxt = jobs[j].requests[0]  # type: ignore[index]
+                if nxt.to_host != req.to_host or nxt.host is not req.host or n + len(nxt.block_ids) > limit:
+                    break
+                group.append(jobs[j])
+                n += len(nxt.block_ids)
+                j += 1
+            i = j
+            reqs = [g.requests[0] for g in group]  # type: ignore[index]
+            ids = [b for r in reqs for b in r.block_ids] if len(reqs) > 1 else req.block_ids
+            rows = [x for r in reqs for x in r.rows] if len(reqs) > 1 else req.rows
+            try:
+                with self._submit_lock:
+                    event = self._submit(req.to_host, req.host, rows, ids)
+            except Exception as e:  # OSError or ForeignCallError: fails the jobs of this call only
+                for g in group:
+                    self._end(g, exc=e)
+                continue
+            for g in group:
+                g.enqueued = Enqueued([event], None)
+                self._follow(g)
+
+    def _follow(self, job: QuickJob) -> None:
+        """Report each copy of ``job`` as it completes (only the last when nothing reports landings)."""
+        assert job.enqueued is not None
+        events = job.enqueued.events
+        if not events:
+            self._land(job, 0, None)
+            return
+        first = 0 if job.steps.reports_landings else len(events) - 1
+        for i in range(first, len(events)):
+            if events[i] is None:
+                self._land(job, i, None)
+            else:
+                self.bridge.watch(events[i]).add_done_callback(functools.partial(self._land, job, i))
+
+    def _land(self, job: QuickJob, i: int, _: object) -> None:
+        """Copy ``i`` of ``job`` completed (so did those before it)."""
+        if job.ended:
+            return
+        assert job.enqueued is not None
+        events = job.enqueued.events
+        if job.steps.reports_landings and not job.transfer._cancel_requested:
+            while job.next_landing <= i:
+                job.next_landing += 1
+                try:
+                    job.steps.landed(job.next_landing - 1)
+                except BaseException as e:  # a bug of ours: end the job only once nothing more is written
+                    job.enqueued.settle()
+                    self._end(job, exc=e)
+                    return
+        if i < len(events) - 1:
+            return
+        if job.transfer._cancel_requested:
+            self._end(job, cancelled=True)
+        elif job.enqueued.error is not None:
+            self._end(job, exc=job.enqueued.error)
+        else:
+            self._end(job)
+
+    def _end(self, job: QuickJob, exc: BaseException | None = None, cancelled: bool = False) -> None:
+        """Clean up after ``job`` (its copies have completed) and finish its transfer (batched in a batch)."""
+        job.ended = True
+        self._live.discard(job)
+        try:
+            job.steps.cleanup()
+        except BaseException:
+            log.exception("%s: transfer cleanup raised", self.loop.name)
+        result = None
+        if not cancelled and exc is None:
+            try:
+                result = job.steps.result()
+            except BaseException as e:
+                exc = e
+        if exc is not None:
+            exc = as_transfer_error(self.kind, exc)
+        if self._finishing is not None:
+            self._finishing.append((job, result, exc, cancelled))
+        else:
+            self._finish(job, result, exc, cancelled)
+
+    def _finish(self, job: QuickJob, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+        try:
+            job.on_end(job.transfer, result, exc, cancelled)
+        except BaseException:
+            log.exception("%s: transfer end hook raised", self.loop.name)
+        job.transfer._finish(result=result, exc=exc, cancelled=cancelled)
+
+    def _end_quick_jobs(self) -> None:
+        """At shutdown (on the loop): let the copies of every quick job land, then end it cancelled."""
+        for job in list(self._live):
+            if job.enqueued is not None:
+                job.enqueued.settle()
+            if not job.ended:
+                self._end(job, cancelled=True)
+        self._arrived = []
+
+    # -- transfers run as tasks -------------------------------------------------------------------
+
+    def start_task(
+        self, transfer: Transfer, run: Callable[[], Coroutine[Any, Any, TransferResult]], cleanup: Callable[[], Any], on_end: EndHook
+    ) -> None:
+        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`)."""
+        kind = self.kind
+
+        async def guarded() -> TransferResult:
+            try:
+                return await run()
+            except BaseException as e:  # SystemExit & co. too: out of a task they would stop the worker loop
+                mapped = as_transfer_error(kind, e)
+                if mapped is e:
+                    raise
+                raise mapped from mapped.__cause__
+
+        self.loop.start_transfer(transfer, guarded, cleanup, on_end=on_end)
 
     async def copy(self, req: CopyRequest) -> Any:
         """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
@@ -151,7 +367,7 @@ class CopyWorker:
         If cancelled, a request not yet submitted is withdrawn; one already
         submitted is waited for before the ``CancelledError`` propagates.
         """
-        loop = self.thread.loop
+        loop = self.loop.loop
         req.future = loop.create_future()
         self._pending.append(req)
         if not self._flush_scheduled:
@@ -199,8 +415,6 @@ class CopyWorker:
                 if not r.future.done():
                     r.future.set_result(event)
 
-    # -- completion -------------------------------------------------------------------
-
     async def wait(self, event: Any) -> None:
         """Wait until ``event`` completed (None: already complete)."""
         if event is not None:
@@ -239,3 +453,11 @@ class CopyWorker:
             if inflight:
                 await self.settle(inflight[-1][0])  # in stream order: the last one covers all
             raise
+
+
+@dataclass(frozen=True)
+class CopyWorkers:
+    """The offloader's two workers: stores and loads never wait behind each other."""
+
+    store: CopyWorker
+    load: CopyWorker

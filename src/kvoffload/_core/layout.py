@@ -143,6 +143,9 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) ->
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
     checked: dict[Hashable, int] = {}
     for key, block in blocks.items():
+        if type(block) is int and 0 <= block < num_blocks:  # the common case, checked cheaply
+            checked[key] = block
+            continue
         if isinstance(block, bool) or getattr(block, "dtype", None) in (torch.bool, np.bool_):
             raise TypeError(f"block id for key {key!r} must be an integer, got a bool")
         try:

@@ -1,21 +1,18 @@
-"""The :class:`Offloader` facade: validation, lifecycle, and handing transfers to the workers."""
+"""The :class:`Offloader` facade: validation, lifecycle, and handing transfers to the tiers."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from .errors import ClosedError, OffloadError, StartError, TransferError
-from .foreign import ForeignCallError
+from .errors import ClosedError, StartError
 from .helper_threads import off_loop
-from .copy_worker import CopyWorker
 from .layout import BlockLayout, check_block_mapping
 from .options import Options
 from .runtime import Runtime, finalize_runtime, process_generation
@@ -211,10 +208,6 @@ class Offloader:
             raise ClosedError("the offloader is closed")
         return storage
 
-    def _worker(self, i: int) -> CopyWorker:
-        assert self._runtime is not None
-        return self._runtime.workers[i]
-
     # -- transfers ----------------------------------------------------------------
 
     def store(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
@@ -237,12 +230,10 @@ class Offloader:
                 t = Transfer("store")
                 t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
                 return t
-            worker = self._worker(0)
-            after = self._ordering_event(worker, after)
-            storage.enqueue_store(worker, plan, after)
-            return self._launch(
-                worker, "store", lambda worker, ev: storage.run_store(worker, plan, ev), lambda: storage.end_store(plan), after
-            )
+            transfer = Transfer("store")
+            self._counters.started()
+            storage.start_store(transfer, plan, after, on_end=self._counters.ended)
+            return transfer
 
     def load(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
         """Copy stored blocks into cache blocks; returns a running :class:`Transfer`.
@@ -263,12 +254,10 @@ class Offloader:
                 t._finish(result=TransferResult("load", (), (), 0, 0.0))
                 return t
             plan = storage.plan_load(checked)
-            worker = self._worker(1)
-            after = self._ordering_event(worker, after)
-            storage.enqueue_load(worker, plan, after)
-            return self._launch(
-                worker, "load", lambda worker, ev: storage.run_load(worker, plan, ev), lambda: storage.end_load(plan), after
-            )
+            transfer = Transfer("load")
+            self._counters.started()
+            storage.start_load(transfer, plan, after, on_end=self._counters.ended)
+            return transfer
 
     def _check_after(self, after: object) -> None:
         if after is None:
@@ -277,36 +266,6 @@ class Offloader:
             raise ValueError("after= is only meaningful for CUDA caches")
         if not isinstance(after, torch.cuda.Event):
             raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
-
-    @staticmethod
-    def _ordering_event(worker: CopyWorker, after: torch.cuda.Event | None) -> Any:
-        """What the copies wait for: ``after``, else (GPU caches) an event recorded now on the caller's stream."""
-        return after if after is not None else worker.copier.caller_event()
-
-    def _launch(
-        self,
-        worker: CopyWorker,
-        kind: Literal["store", "load"],
-        run: Callable[[CopyWorker, Any], Awaitable[TransferResult]],
-        cleanup: Callable[[], None],
-        after: Any,
-    ) -> Transfer:
-        """Start the worker task that runs (or follows) the transfer (called under the lock)."""
-        transfer = Transfer(kind)
-        self._counters.started()
-
-        async def guarded() -> TransferResult:
-            try:
-                return await run(worker, after)
-            except ForeignCallError as e:  # the user's (or the driver's) own exception becomes the cause
-                raise TransferError(f"{kind} failed: {e}") from e.__cause__
-            except (asyncio.CancelledError, OffloadError, GeneratorExit):
-                raise
-            except BaseException as e:  # SystemExit & co. too: out of a task they would stop the worker loop
-                raise TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}") from e
-
-        worker.thread.start_transfer(transfer, guarded, cleanup, on_end=self._counters.ended)
-        return transfer
 
     # -- index ----------------------------------------------------------------------
 

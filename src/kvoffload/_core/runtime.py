@@ -19,7 +19,7 @@ import torch
 from .cuda.events import make_bridge
 from .errors import CloseError
 from .helper_threads import HelperThread, on_worker_thread
-from .copy_worker import CopyCalls, CopyWorker
+from .copy_worker import CopyCalls, CopyWorker, CopyWorkers
 from .layout import BlockLayout
 from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
@@ -114,11 +114,6 @@ class Runtime:
             _live.add(self)
         try:
             _check_host_memory(opts.host_blocks * layout.slot_bytes)
-            self.storage = TieredStorage(
-                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks,
-                chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
-                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
-            )
             for name in ("store", "load"):
                 thread = WorkerLoop(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
                 try:
@@ -127,7 +122,12 @@ class Runtime:
                 except BaseException:
                     thread.stop(5.0)
                     raise
-                self.workers.append(CopyWorker(thread, copier, bridge, self.copy_calls))
+                self.workers.append(CopyWorker(name, thread, copier, bridge, self.copy_calls))
+            self.storage = TieredStorage(
+                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(*self.workers),
+                chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
+                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
+            )
         except BaseException:
             try:
                 self._close_now(5.0)
@@ -170,7 +170,7 @@ class Runtime:
             log.exception("kvoffload: closing the offloader failed; call close() again to finish")
 
     def _close_now(self, timeout: float) -> None:
-        stuck = [worker.thread.name for worker in self.workers if not worker.thread.stop(timeout)]
+        stuck = [worker.loop.name for worker in self.workers if not worker.loop.stop(timeout)]
         if stuck:  # never free memory a live thread may still copy into
             raise CloseError(
                 f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"

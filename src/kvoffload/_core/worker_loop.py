@@ -35,6 +35,7 @@ class WorkerLoop:
         self.loop = asyncio.new_event_loop()
         self.mailbox = Mailbox(self.loop)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop_hooks: list[Callable[[], Any]] = []
         self._on_thread_start = on_thread_start
         self._ready = threading.Event()
         self._stop_requested = False
@@ -63,6 +64,10 @@ class WorkerLoop:
                 return  # stopped by stop()
             except BaseException:  # a SystemExit or KeyboardInterrupt out of a callback: keep serving
                 log.exception("%s: a callback raised out of the event loop", self.name)
+
+    def add_stop_hook(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` on the loop when :meth:`stop` begins, before the tasks are cancelled."""
+        self._stop_hooks.append(hook)
 
     def in_thread(self) -> bool:
         """True when called from this loop's own thread."""
@@ -135,6 +140,11 @@ class WorkerLoop:
             return True
 
         async def cancel_all() -> None:
+            for hook in self._stop_hooks:
+                try:
+                    hook()
+                except BaseException:
+                    log.exception("%s: a stop hook raised", self.name)
             tasks = list(self._tasks)
             for t in tasks:
                 t.cancel()

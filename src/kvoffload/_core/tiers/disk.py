@@ -28,7 +28,7 @@ import numpy as np
 
 from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..hostmem import HostBuffer
-from ..copy_worker import CopyRequest, CopyWorker
+from ..copy_worker import CopyRequest, CopyWorkers
 from ..layout import BlockLayout
 from .host import chunked
 
@@ -112,6 +112,7 @@ class DiskTier:
         layout: BlockLayout,
         path: str,
         slots: int,
+        workers: CopyWorkers,
         *,
         chunk_blocks: int,
         io_threads: int,
@@ -121,6 +122,7 @@ class DiskTier:
     ) -> None:
         self.layout = layout
         self.slots = slots
+        self.workers = workers
         self.chunk_blocks = chunk_blocks
         self.job_bytes = job_bytes
         self._bounce: list[HostBuffer] = []
@@ -153,14 +155,16 @@ class DiskTier:
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
-    async def store(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
-        """Copy cache blocks to disk slots (``(block id, slot)``); ``landed(n)`` after each chunk is on disk.
+    async def store(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
+        """Copy cache blocks to disk slots (``(block id, slot)``) on the store worker's loop; ``landed(n)``
+        after each chunk is on disk.
 
         Chunk N is copied into a free bounce half while the IO threads write
         chunk N-1 from another; a half is freed when its write has ended.
         """
         pool = self._store_pool
         assert pool is not None, "disk-only stores need the store bounce buffer"
+        worker = self.workers.store
         writes: deque[tuple[IoBatch, int]] = deque()
         half: int | None = None
         event: Any = None
@@ -189,8 +193,8 @@ class DiskTier:
                 await w.settle()
             raise
 
-    async def load(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy disk slots to cache blocks (``(slot, block id)``), reading one chunk ahead.
+    async def load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy disk slots to cache blocks (``(slot, block id)``) on the load worker's loop, reading one chunk ahead.
 
         A bounce half is freed when the copy out of it has completed. The read
         of the next chunk starts before this chunk's copy when a half is free;
@@ -198,6 +202,7 @@ class DiskTier:
         waits for a half while holding one, so concurrent loads cannot deadlock.
         """
         pool = self._load_pool
+        worker = self.workers.load
         chunks = chunked(pairs, self.chunk_blocks)
         reading: tuple[IoBatch, int] | None = None  # the read in flight and its half
         last: Any = None  # completion event of the last copy out of the bounce buffer

@@ -1,8 +1,9 @@
 """The host tier: one slab of (pinned) host memory holding ``slots`` block slots.
 
 Slot ``i`` is row ``i`` of a ``uint8[slots, slot_bytes]`` view of the slab. The
-tier moves blocks between the cache and its slots in chunks on a worker; which
-key lives in which slot is the index's business, not the tier's.
+tier moves blocks between the cache and its slots in chunks, stores on the store
+worker and loads on the load worker; which key lives in which slot is the
+index's business, not the tier's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..hostmem import HostBuffer
-from ..copy_worker import CopyRequest, CopyWorker
+from ..copy_worker import CopyRequest, CopyWorkers
 from ..layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
@@ -29,9 +30,11 @@ def chunked(items: Sequence[T], size: int) -> list[Sequence[T]]:
 class HostTier:
     """Block slots in host memory."""
 
-    def __init__(self, layout: BlockLayout, slots: int) -> None:
+    def __init__(self, layout: BlockLayout, slots: int, workers: CopyWorkers) -> None:
         self.layout = layout
         self.slots = slots
+        self.workers = workers
+        self.chunk_blocks = workers.store.copier.chunk_blocks
         self.buffer = HostBuffer(slots * layout.slot_bytes, pin=layout.device if layout.is_cuda else None)
         self.rows = self.buffer.tensor.view(slots, layout.slot_bytes)
 
@@ -40,21 +43,26 @@ class HostTier:
         """The slots as a numpy ``uint8[slots, slot_bytes]`` view (for disk IO)."""
         return self.rows.numpy()
 
-    def requests_in(self, pairs: Sequence[tuple[int, int]], chunk_blocks: int) -> list[CopyRequest]:
-        """Copies of cache blocks into slots (``(block id, slot)`` pairs), one per chunk of ``chunk_blocks``."""
-        return [CopyRequest(True, self.rows, [b for b, _ in c], [s for _, s in c]) for c in chunked(pairs, chunk_blocks)]
+    def requests_in(self, pairs: Sequence[tuple[int, int]]) -> list[CopyRequest]:
+        """Copies of cache blocks into slots (``(block id, slot)`` pairs), one per chunk."""
+        if len(pairs) == 1:
+            return [CopyRequest(True, self.rows, (pairs[0][0],), (pairs[0][1],))]
+        return [CopyRequest(True, self.rows, [b for b, _ in c], [s for _, s in c]) for c in chunked(pairs, self.chunk_blocks)]
 
-    def requests_out(self, pairs: Sequence[tuple[int, int]], chunk_blocks: int) -> list[CopyRequest]:
-        """Copies of slots into cache blocks (``(slot, block id)`` pairs), one per chunk of ``chunk_blocks``."""
-        return [CopyRequest(False, self.rows, [b for _, b in c], [s for s, _ in c]) for c in chunked(pairs, chunk_blocks)]
+    def requests_out(self, pairs: Sequence[tuple[int, int]]) -> list[CopyRequest]:
+        """Copies of slots into cache blocks (``(slot, block id)`` pairs), one per chunk."""
+        if len(pairs) == 1:
+            return [CopyRequest(False, self.rows, (pairs[0][1],), (pairs[0][0],))]
+        return [CopyRequest(False, self.rows, [b for _, b in c], [s for s, _ in c]) for c in chunked(pairs, self.chunk_blocks)]
 
-    async def copy_in(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
-        """Copy cache blocks into slots (``(block id, slot)`` pairs) on the worker's loop; ``landed(n)`` after each chunk of n."""
-        await worker.pipeline(self.requests_in(pairs, worker.copier.chunk_blocks), lambda r: r, lambda r: landed(len(r.block_ids)))
+    async def copy_in(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
+        """Copy cache blocks into slots (``(block id, slot)`` pairs) on the store worker's loop;
+        ``landed(n)`` after each chunk of n."""
+        await self.workers.store.pipeline(self.requests_in(pairs), lambda r: r, lambda r: landed(len(r.block_ids)))
 
-    async def copy_out(self, worker: CopyWorker, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy slots into cache blocks (``(slot, block id)`` pairs) on the worker's loop."""
-        await worker.pipeline(self.requests_out(pairs, worker.copier.chunk_blocks), lambda r: r, lambda r: None)
+    async def copy_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy slots into cache blocks (``(slot, block id)`` pairs) on the load worker's loop."""
+        await self.workers.load.pipeline(self.requests_out(pairs), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..copy_worker import Enqueued, CopyWorker
+from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, QuickJob
 from ..layout import BlockLayout
-from ..transfer import TransferResult
+from ..transfer import Transfer, TransferResult
+from ..worker_loop import EndHook
 from ..cross_thread import resolve_from_any_thread
 from .disk import DiskTier
 from .host import HostTier, chunked
@@ -29,33 +29,87 @@ from .host import HostTier, chunked
 __all__ = ["TieredStorage", "StorePlan", "LoadPlan"]
 
 
-@dataclass
 class StorePlan:
-    """A store's reservation and source blocks; tracks what is published."""
+    """A store's reservation and source blocks; publishes its entries as their copies land.
 
-    reservation: Reservation
-    block_ids: list[int]
-    started: float = field(default_factory=time.perf_counter)
-    published: int = 0
-    finished: bool = False
-    enqueued: Enqueued | None = None
-    """Copies submitted at call time (see :meth:`TieredStorage.enqueue_store`); None: the worker copies."""
+    Implements :class:`JobSteps`: the worker calls :meth:`landed`, :meth:`result` and :meth:`cleanup`.
+    """
+
+    __slots__ = ("index", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "published", "finished")
+    reports_landings = True
+
+    def __init__(self, index: BlockIndex, reservation: Reservation, block_ids: list[int], block_bytes: int, chunk_blocks: int) -> None:
+        self.index = index
+        self.reservation = reservation
+        self.block_ids = block_ids
+        self.block_bytes = block_bytes
+        self.chunk_blocks = chunk_blocks
+        self.started = time.perf_counter()
+        self.published = 0
+        self.finished = False
+
+    def publish(self, n: int) -> None:
+        """The store's next ``n`` entries have landed: make them visible."""
+        self.index.publish(self.reservation.entries[self.published : self.published + n])
+        self.published += n
+
+    def landed(self, i: int) -> None:
+        """Chunk ``i`` (of ``chunk_blocks`` blocks) has landed."""
+        self.publish(min(self.chunk_blocks, len(self.block_ids) - i * self.chunk_blocks))
+
+    def result(self) -> TransferResult:
+        keys = tuple(e.key for e in self.reservation.entries)
+        return TransferResult("store", keys, tuple(self.reservation.skipped), len(keys) * self.block_bytes, time.perf_counter() - self.started)
+
+    def cleanup(self) -> None:
+        """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries.
+        Its copies have completed (the workers wait for them before cleaning up)."""
+        if self.finished:
+            return
+        self.finished = True
+        for s in self.reservation.spills:
+            self.index.spill_failed(s)  # no-op for spills that ended
+        self.index.abort(self.reservation.entries[self.published :])
 
 
-@dataclass
 class LoadPlan:
-    """A load's pinned copies and destination blocks."""
+    """A load's pinned copies and destination blocks; unpins them when it ends. Implements :class:`JobSteps`."""
 
-    pins: list[Pin]
-    block_ids: list[int]
-    started: float = field(default_factory=time.perf_counter)
-    released: bool = False
-    enqueued: Enqueued | None = None
-    """Copies submitted at call time (see :meth:`TieredStorage.enqueue_load`); None: the worker copies."""
+    __slots__ = ("index", "pins", "block_ids", "block_bytes", "started", "released")
+    reports_landings = False
+
+    def __init__(self, index: BlockIndex, pins: list[Pin], block_ids: list[int], block_bytes: int) -> None:
+        self.index = index
+        self.pins = pins
+        self.block_ids = block_ids
+        self.block_bytes = block_bytes
+        self.started = time.perf_counter()
+        self.released = False
+
+    def landed(self, i: int) -> None:
+        pass
+
+    def result(self) -> TransferResult:
+        keys = tuple(p.entry.key for p in self.pins)
+        return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
+
+    def cleanup(self) -> None:
+        """Release the load's pins (idempotent); its copies have completed."""
+        if not self.released:
+            self.released = True
+            self.index.unpin(self.pins)
 
 
 class TieredStorage:
-    """The host and disk tiers with their common index."""
+    """The host and disk tiers with their common index; starts transfers on their workers.
+
+    A transfer between the cache and host slots alone (a store that needs no
+    spill, a load of host-resident keys) is a quick job of its worker: a GPU
+    cache's copies are enqueued whole in the caller's thread, before ``store()``
+    or ``load()`` returns, so they run with no Python step between chunks
+    however busy the caller's or the worker's thread. The rest (spills, the
+    disk tier) runs as a task on the worker's loop.
+    """
 
     def __init__(
         self,
@@ -63,78 +117,75 @@ class TieredStorage:
         host_blocks: int,
         disk_path: str | None,
         disk_blocks: int,
+        workers: CopyWorkers,
         *,
         chunk_blocks: int,
         io_threads: int,
         use_page_cache: bool,
     ) -> None:
         self.layout = layout
+        self.workers = workers
+        self.chunk_blocks = chunk_blocks
         self.index = BlockIndex(host_blocks, disk_blocks)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         try:
             if host_blocks:
-                self.host = HostTier(layout, host_blocks)
+                self.host = HostTier(layout, host_blocks, workers)
             if disk_blocks:
                 assert disk_path is not None
                 self.disk = DiskTier(
-                    layout, disk_path, disk_blocks, chunk_blocks=chunk_blocks, io_threads=io_threads,
+                    layout, disk_path, disk_blocks, workers, chunk_blocks=chunk_blocks, io_threads=io_threads,
                     use_page_cache=use_page_cache, store_bounce=not host_blocks,
                 )
         except BaseException:
             self.close()
             raise
 
+    def _start(
+        self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, requests: list[CopyRequest] | None,
+        after: Any, on_end: EndHook, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
+    ) -> None:
+        """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
+        and can be enqueued now (GPU) or made in one step (one chunk), else ``run(after)`` as a task."""
+        if after is None:
+            after = worker.copier.caller_event()
+        if requests is not None and self.layout.is_cuda:
+            worker.start_quick(QuickJob(transfer, plan, on_end, enqueued=worker.enqueue(requests, after)))
+        elif requests is not None and len(requests) == 1:
+            worker.start_quick(QuickJob(transfer, plan, on_end, requests=requests))
+        else:
+            worker.start_task(transfer, lambda: run(after), plan.cleanup, on_end)
+
     # -- store ------------------------------------------------------------------------
 
     def plan_store(self, blocks: dict[Hashable, int]) -> StorePlan:
         """Reserve slots for the keys not yet present (may raise CapacityError)."""
         r = self.index.reserve(blocks)
-        return StorePlan(r, [blocks[e.key] for e in r.entries])
+        return StorePlan(self.index, r, [blocks[e.key] for e in r.entries], self.layout.block_bytes, self.chunk_blocks)
 
-    def enqueue_store(self, worker: CopyWorker, plan: StorePlan, after: Any) -> bool:
-        """Submit the whole store now, in the caller's thread, if it can be: a GPU cache into host
-        slots that need no spill. Its copies then run on the GPU with no Python step between chunks,
-        however busy the caller's or the worker's thread; the worker only follows completion."""
-        if not self.layout.is_cuda or self.index.store_tier != HOST or plan.reservation.spills:
-            return False
-        assert self.host is not None
-        pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
-        plan.enqueued = worker.enqueue(self.host.requests_in(pairs, worker.copier.chunk_blocks), after)
-        return True
+    def start_store(self, transfer: Transfer, plan: StorePlan, after: Any, on_end: EndHook) -> None:
+        """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
+        requests = None
+        if self.index.store_tier == HOST and not plan.reservation.spills:
+            assert self.host is not None
+            requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
+        self._start(self.workers.store, transfer, plan, requests, after, on_end, functools.partial(self._run_store, plan))
 
-    async def run_store(self, worker: CopyWorker, plan: StorePlan, after: Any) -> TransferResult:
+    async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
-        entries = plan.reservation.entries
-        if plan.enqueued is not None:
-            chunk = worker.copier.chunk_blocks
-            await worker.completed(plan.enqueued, lambda i: self._publish(plan, min(chunk, len(entries) - i * chunk)))
-            return self._store_result(plan)
         if after is not None:
-            worker.copier.wait_for(after)
+            self.workers.store.copier.wait_for(after)
         if plan.reservation.spills:
             await self._spill(plan)
-
-        pairs = [(b, e.slot) for b, e in zip(plan.block_ids, entries)]
+        pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
         if self.index.store_tier == HOST:
             assert self.host is not None
-            await self.host.copy_in(worker, pairs, lambda n: self._publish(plan, n))
+            await self.host.copy_in(pairs, plan.publish)
         else:
             assert self.disk is not None
-            await self.disk.store(worker, pairs, lambda n: self._publish(plan, n))
-        return self._store_result(plan)
-
-    def _publish(self, plan: StorePlan, n: int) -> None:
-        """The store's next ``n`` entries have landed: make them visible."""
-        self.index.publish(plan.reservation.entries[plan.published : plan.published + n])
-        plan.published += n
-
-    def _store_result(self, plan: StorePlan) -> TransferResult:
-        keys = tuple(e.key for e in plan.reservation.entries)
-        return TransferResult(
-            "store", keys, tuple(plan.reservation.skipped), len(keys) * self.layout.block_bytes,
-            time.perf_counter() - plan.started,
-        )
+            await self.disk.store(pairs, plan.publish)
+        return plan.result()
 
     async def _spill(self, plan: StorePlan) -> None:
         """Write the victims to disk, then wait until no load reads the host slots their heirs take."""
@@ -157,62 +208,34 @@ class TieredStorage:
             self.index.when_unread(s.host_slot, functools.partial(resolve_from_any_thread, loop, unread))
             await unread
 
-    def end_store(self, plan: StorePlan) -> None:
-        """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries."""
-        if plan.finished:
-            return
-        plan.finished = True
-        if plan.enqueued is not None:  # cancelled before the worker followed it: let the GPU finish first
-            plan.enqueued.settle()
-        for s in plan.reservation.spills:
-            self.index.spill_failed(s)  # no-op for spills that ended
-        self.index.abort(plan.reservation.entries[plan.published :])
-
     # -- load -------------------------------------------------------------------------
 
     def plan_load(self, blocks: dict[Hashable, int]) -> LoadPlan:
         """Pin the current copy of every key (may raise MissingKeysError)."""
         keys = list(blocks)
-        return LoadPlan(self.index.pin(keys), [blocks[k] for k in keys])
+        return LoadPlan(self.index, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
 
-    def enqueue_load(self, worker: CopyWorker, plan: LoadPlan, after: Any) -> bool:
-        """Submit the whole load now, in the caller's thread, if it can be: a GPU cache and every key
-        in host memory (see :meth:`enqueue_store`)."""
-        if not self.layout.is_cuda or any(p.tier != HOST for p in plan.pins):
-            return False
-        assert self.host is not None
-        pairs = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)]
-        plan.enqueued = worker.enqueue(self.host.requests_out(pairs, worker.copier.chunk_blocks), after)
-        return True
+    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, on_end: EndHook) -> None:
+        """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed)."""
+        requests = None
+        if all(p.tier == HOST for p in plan.pins):
+            assert self.host is not None
+            requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
+        self._start(self.workers.load, transfer, plan, requests, after, on_end, functools.partial(self._run_load, plan))
 
-    async def run_load(self, worker: CopyWorker, plan: LoadPlan, after: Any) -> TransferResult:
+    async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
-        if plan.enqueued is not None:
-            await worker.completed(plan.enqueued)
-            return self._load_result(plan)
         if after is not None:
-            worker.copier.wait_for(after)
+            self.workers.load.copier.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
         from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK]
         if from_host:
             assert self.host is not None
-            await self.host.copy_out(worker, from_host)
+            await self.host.copy_out(from_host)
         if from_disk:
             assert self.disk is not None
-            await self.disk.load(worker, from_disk)
-        return self._load_result(plan)
-
-    def _load_result(self, plan: LoadPlan) -> TransferResult:
-        keys = tuple(p.entry.key for p in plan.pins)
-        return TransferResult("load", keys, (), len(keys) * self.layout.block_bytes, time.perf_counter() - plan.started)
-
-    def end_load(self, plan: LoadPlan) -> None:
-        """Release the load's pins (idempotent)."""
-        if not plan.released:
-            plan.released = True
-            if plan.enqueued is not None:  # cancelled before the worker followed it: let the GPU finish first
-                plan.enqueued.settle()
-            self.index.unpin(plan.pins)
+            await self.disk.load(from_disk)
+        return plan.result()
 
     def disk_io(self) -> IoCalls | None:
         """The disk tier's system calls (the test seam), or None without a disk tier."""
