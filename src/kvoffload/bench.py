@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -517,19 +517,59 @@ def disk_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+async def _in_flight_rate(op: Callable[[int], Awaitable[Any]], count: int, in_flight: int = 64) -> float:
+    """``op(i)`` for ``count`` values of i, ``in_flight`` at a time from this loop; returns ops per second."""
+
+    async def one_lane(lane: int) -> None:
+        for i in range(lane, count, in_flight):
+            await op(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_lane(j) for j in range(in_flight)))
+    return count / (time.perf_counter() - t0)
+
+
+def _two_hop_rate(count: int) -> float:
+    """The harness of :func:`small_transfers` doing nothing per op but a hop into another thread's
+    loop and a hop back: the ceiling of any cross-thread transfer API."""
+    lt = WorkerLoop("kvoffload-bench-hop")
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+
+        async def op(i: int) -> None:
+            fut = loop.create_future()
+            lt.loop.call_soon_threadsafe(loop.call_soon_threadsafe, fut.set_result, None)
+            await fut
+
+        await _in_flight_rate(op, count // 10)
+        return await _in_flight_rate(op, count)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        lt.stop(5)
+
+
 def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000) -> None:
-    """Many one-block transfers in flight at once: transfers per second and CPU per transfer."""
-    rep.begin(f"{count} one-block stores in flight (64 KiB blocks)")
+    """One-block transfers: 64 in flight from one loop against the two-hop harness; all at once
+    against the baseline; CPU per transfer."""
+    rep.begin(f"one-block transfers (64 KiB blocks): {count} at once, and 64 in flight vs a bare two-hop")
     caches = {"kv": torch.randint(0, 255, (4096, 64 << 10), dtype=torch.uint8, device=dev)}
 
-    async def run() -> tuple[float, float]:
+    async def run() -> tuple[float, float, float, float]:
         async with Offloader(caches, host_blocks=count + 8) as off:
             await asyncio.gather(*(off.store({("w", i): i}) for i in range(8)))
             c0, t0 = time.process_time(), time.perf_counter()
             await asyncio.gather(*(off.store({i: i % 4096}) for i in range(count)))
-            return count / (time.perf_counter() - t0), (time.process_time() - c0) / count
+            all_at_once, cpu = count / (time.perf_counter() - t0), (time.process_time() - c0) / count
+            off.discard(range(count))
+            stores = await _in_flight_rate(lambda i: off.store({i: i % 4096}), count)
+            loads = await _in_flight_rate(lambda i: off.load({i: i % 4096}), count)
+            return all_at_once, cpu, stores, loads
 
-    rate, cpu = asyncio.run(run())
+    rate, cpu, stores, loads = asyncio.run(run())
+    hop = _two_hop_rate(count)
     brate = None
     if base is not None:
         hb = base.HostBaseline(caches, count + 8)
@@ -541,8 +581,61 @@ def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000
             brate = count / (time.perf_counter() - t0)
         finally:
             hb.close()
-    rep.row("one-block transfers", "per s", rate, None, brate, note=f"{cpu * 1e6:.0f} us CPU per transfer")
-    rep.extra["small_cpu_us_per_transfer"] = cpu * 1e6
+    rep.row("one-block stores, all at once", "per s", rate, None, brate, note=f"{cpu * 1e6:.0f} us CPU per transfer")
+    rep.row("one-block stores, 64 in flight", "per s", stores, hop, None, note="ceiling = a bare hop there and back")
+    rep.row("one-block loads, 64 in flight", "per s", loads, hop, None, note="ceiling = a bare hop there and back")
+    rep.extra["small"] = {"all_at_once": rate, "cpu_us_per_transfer": cpu * 1e6, "stores_64": stores, "loads_64": loads,
+                          "two_hop_64": hop}
+
+
+def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, steps: int = 150, python_ms: float = 3.0) -> None:
+    """A synthetic serving step, with and without offloading; reports step-time inflation.
+
+    Each step loads a request's prefix hits (16 blocks) and awaits them, runs GPU work on the
+    caller's stream (a matmul; on CPU, none) and ``python_ms`` of Python (scheduling, input
+    preparation), then stores the step's 4 new blocks without waiting: they are awaited a step later.
+    """
+    rep.begin(f"engine loop: {steps} steps of {python_ms:.0f} ms Python + GPU work, 16-block loads and 4-block stores")
+    hits, new = 16, 4
+    n = max(lay.blocks_for(gib), 2 * hits + new * steps)
+    caches = lay.cache(n, dev)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) if dev.type == "cuda" else None
+
+    def gpu_work() -> None:
+        if a is not None:
+            for _ in range(4):
+                a @ a
+
+    async def run(off: Offloader | None) -> float:
+        pending: list[Any] = []
+        t0 = time.perf_counter()
+        for step in range(steps):
+            if off is not None:
+                await off.load({("p", j): (step * 7 + j) % hits for j in range(hits)})
+            gpu_work()
+            _python_work(python_ms / 1e3)
+            for t in pending:
+                await t
+            pending = []
+            if off is not None:
+                pending = [off.store({("s", step, j): hits + (step * new + j) % (n - hits) for j in range(new)})]
+            _sync(dev)
+        for t in pending:
+            await t
+        return (time.perf_counter() - t0) / steps
+
+    async def both() -> tuple[float, float]:
+        async with Offloader(caches, host_blocks=hits + new * steps + 8) as off:
+            await off.store({("p", j): j for j in range(hits)})
+            await run(None)  # warm up
+            bare = min([await run(None) for _ in range(2)])
+            with_off = min([await run(off) for _ in range(2)])
+            return bare, with_off
+
+    bare, with_off = asyncio.run(both())
+    rep.extra["engine_loop"] = {"bare_ms": bare * 1e3, "offloading_ms": with_off * 1e3}
+    rep.row("engine step with offloading", "ms", with_off * 1e3, bare * 1e3, None,
+            note=f"ceiling = the same step without offloading; inflation {100 * (with_off / bare - 1):+.1f}%")
 
 
 def wake_floor(n: int = 2000) -> list[float]:
@@ -690,8 +783,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
+    p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,compute,disk,small,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,compute,disk,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -704,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
     gpu_only = {"layouts", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "compute", "disk", "small", "latency") if s not in skip | gpu_only]
+    todo = [s for s in ("host", "busy", "layouts", "compute", "disk", "small", "engine", "latency") if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -725,6 +819,8 @@ def main(argv: list[str] | None = None) -> int:
         disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
     if "small" in todo:
         small_transfers(rep, dev, base, args.small)
+    if "engine" in todo:
+        engine_loop_scenario(rep, lay, min(gib, 0.25), dev, args.engine_steps)
     if "latency" in todo:
         latency_scenarios(rep, dev)
     print("\n" + rep.table(), flush=True)

@@ -52,7 +52,7 @@ class State(enum.Enum):
     GONE = "gone"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One key's block: its state, and the tier and slot where loads find it."""
 
@@ -64,7 +64,7 @@ class Entry:
     """Running loads that pinned this entry (for ``stats().pinned``)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Spill:
     """Move ``victim`` from ``host_slot`` to ``disk_slot``; ``host_slot`` then belongs to ``heir``."""
 
