@@ -591,12 +591,14 @@ def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000
 def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, steps: int = 150, python_ms: float = 3.0) -> None:
     """A synthetic serving step, with and without offloading; reports step-time inflation.
 
-    Each step loads a request's prefix hits (16 blocks) and awaits them, runs GPU work on the
-    caller's stream (a matmul; on CPU, none) and ``python_ms`` of Python (scheduling, input
-    preparation), then stores the step's 4 new blocks without waiting: they are awaited a step later.
+    Each step runs GPU work on the caller's stream (a matmul; on CPU, none) and ``python_ms``
+    of Python (scheduling, input preparation), as an engine does; meanwhile the next step's
+    prefix hits (8 blocks) load, and this step's 4 new blocks store once its GPU work is done
+    (ordered after it on the caller's stream). The step waits for the loads it needs and for
+    the previous step's stores, never for copies it could overlap.
     """
-    rep.begin(f"engine loop: {steps} steps of {python_ms:.0f} ms Python + GPU work, 16-block loads and 4-block stores")
-    hits, new = 16, 4
+    rep.begin(f"engine loop: {steps} steps of {python_ms:.0f} ms Python + GPU work, 8-block loads and 4-block stores")
+    hits, new = 8, 4  # hits load into blocks [0, 2 * hits), alternating halves; new blocks come after
     n = max(lay.blocks_for(gib), 2 * hits + new * steps)
     caches = lay.cache(n, dev)
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) if dev.type == "cuda" else None
@@ -607,20 +609,24 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
                 a @ a
 
     async def run(off: Offloader | None) -> float:
-        pending: list[Any] = []
+        stores: list[Any] = []
+        loading: Any = None
         t0 = time.perf_counter()
         for step in range(steps):
-            if off is not None:
-                await off.load({("p", j): (step * 7 + j) % hits for j in range(hits)})
+            if loading is not None:
+                await loading  # this step's prefix is in place
             gpu_work()
+            if off is not None:  # the next step's prefix hits, into the other half of the hit blocks
+                half = hits * ((step + 1) % 2)
+                loading = off.load({("p", j): half + j for j in range(hits)})
             _python_work(python_ms / 1e3)
-            for t in pending:
+            for t in stores:
                 await t
-            pending = []
+            stores = []
             if off is not None:
-                pending = [off.store({("s", step, j): hits + (step * new + j) % (n - hits) for j in range(new)})]
+                stores = [off.store({("s", step, j): 2 * hits + (step * new + j) % (n - 2 * hits) for j in range(new)})]
             _sync(dev)
-        for t in pending:
+        for t in [*stores, *([loading] if loading is not None else [])]:
             await t
         return (time.perf_counter() - t0) / steps
 
