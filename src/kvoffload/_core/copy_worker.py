@@ -225,7 +225,7 @@ class CopyWorker:
             to_copy: list[QuickJob] = []
             for job in jobs:
                 if job.enqueued is not None:
-                    self._follow(job)
+                    self._follow_guarded(job)
                 elif job.transfer._cancel_requested:  # nothing copied yet: nothing to wait for
                     self._end(job, cancelled=True)
                 else:
@@ -265,7 +265,17 @@ class CopyWorker:
                 continue
             for g in group:
                 g.enqueued = Enqueued([event], None)
-                self._follow(g)
+                self._follow_guarded(g)
+
+    def _follow_guarded(self, job: QuickJob) -> None:
+        """:meth:`_follow`; should that fail (a bug of ours, a failed device), end the job once its copies are done."""
+        try:
+            self._follow(job)
+        except BaseException as e:
+            if not job.ended:
+                assert job.enqueued is not None
+                job.enqueued.settle()
+                self._end(job, exc=e)
 
     def _follow(self, job: QuickJob) -> None:
         """Report each copy of ``job`` as it completes (only the last when nothing reports landings)."""

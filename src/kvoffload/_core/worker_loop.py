@@ -1,9 +1,10 @@
 """Dedicated event loops, each running in its own thread.
 
 The offloader runs stores on one :class:`WorkerLoop` and loads on another, so a
-long store never delays a load. Transfers are started with :meth:`WorkerLoop.start_transfer`,
-which creates the worker task on the loop and wires it to its :class:`Transfer`
-handle. Cancellation goes to the worker task itself (``task.cancel()`` on its
+long store never delays a load. Quick transfers need no task (their copy worker
+takes them in batch callbacks, posted through :attr:`WorkerLoop.mailbox`); the others
+are started with :meth:`WorkerLoop.start_transfer`, which creates the worker task on
+the loop and wires it to its :class:`Transfer` handle. Cancellation goes to the worker task itself (``task.cancel()`` on its
 loop) rather than through the future of ``run_coroutine_threadsafe``, whose
 cancellation did not always reach the task (CPython gh-105836).
 """
