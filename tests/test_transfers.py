@@ -67,22 +67,53 @@ async def test_many_concurrent_transfers_from_many_tasks():
 
 
 @pytest.mark.asyncio
-async def test_one_block_transfers_of_one_loop_turn_share_their_copies(faults):
-    """Small transfers handed over together are copied together: 256 one-block stores (then loads)
-    started in one loop turn take a few copy calls, not 256, and still round-trip byte for byte."""
+async def test_one_block_transfers_handed_over_together_share_their_copies(faults):
+    """Small transfers that reach the worker together are copied together: while the worker is held
+    in its first copy, the rest of 256 one-block stores (then loads) queue up, and the lot takes at
+    most three copy calls, not 256; everything still round-trips byte for byte."""
     caches = random_caches(256, seed=13)
     orig = snapshot(caches)
     async with kvoffload.Offloader(caches, host_blocks=256) as off:
-        to_host = faults.spy(off, "to_host")
-        await asyncio.gather(*[off.store({i: i}) for i in range(256)])
-        to_device = faults.spy(off, "to_device")
-        for t in caches.values():
-            t.zero_()
-        await asyncio.gather(*[off.load({i: 255 - i}) for i in range(256)])
-        assert 1 <= to_host.passed <= 16 and 1 <= to_device.passed <= 16, (to_host.passed, to_device.passed)
-        assert sum(len(args[1]) for args in to_host.calls) == 256
+        for path, start in (("to_host", lambda i: off.store({i: i})), ("to_device", lambda i: off.load({i: 255 - i}))):
+            if path == "to_device":
+                for t in caches.values():
+                    t.zero_()
+            gate = faults.gate(off, path)
+            transfers = [start(i) for i in range(256)]
+            await gate.entered_async()
+            gate.open()
+            await asyncio.gather(*transfers)
+            assert 1 <= gate.passed <= 3, f"{path}: {gate.passed} copy calls for 256 one-block transfers"
+            assert sum(len(args[-1]) for args in gate.calls) == 256  # rows (stores) or block ids (loads)
     for n in caches:
         assert same_bytes(caches[n].flip(0), orig[n])
+
+
+@pytest.mark.asyncio
+async def test_a_failure_ordering_after_the_callers_stream_fails_the_transfer_and_leaks_nothing(monkeypatch):
+    """If recording the caller's stream position fails (a failed device), store() and load() still
+    return a transfer; it fails with TransferError, and its slots and pins go back."""
+    from kvoffload._core.block_copy import CpuBlockCopier
+
+    caches = random_caches(8, seed=21)
+    async with kvoffload.Offloader(caches, host_blocks=4) as off:
+        await off.store({"kept": 0})
+
+        def broken(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(CpuBlockCopier, "caller_event", broken)
+        for t in (off.store({"new": 1}), off.load({"kept": 2})):
+            with pytest.raises(kvoffload.TransferError, match="illegal memory access") as err:
+                await t
+            assert isinstance(err.value.__cause__, RuntimeError)
+        s = off.stats()
+        assert (s.host_free, s.pending, s.pinned, s.in_flight, s.failed) == (3, 0, 0, 0, 2), s
+        assert "new" not in off
+        monkeypatch.undo()
+        await off.load({"kept": 3})
+    for n in caches:
+        assert same_bytes(caches[n][3], caches[n][0]), n
 
 
 def test_transfers_from_plain_threads_and_other_loops():

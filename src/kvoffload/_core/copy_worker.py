@@ -281,8 +281,8 @@ class CopyWorker:
         """Report each copy of ``job`` as it completes (only the last when nothing reports landings)."""
         assert job.enqueued is not None
         events = job.enqueued.events
-        if not events:
-            self._land(job, 0, None)
+        if not events:  # nothing was submitted: nothing landed
+            self._copies_done(job)
             return
         first = 0 if job.steps.reports_landings else len(events) - 1
         for i in range(first, len(events)):
@@ -306,8 +306,12 @@ class CopyWorker:
                     job.enqueued.settle()
                     self._end(job, exc=e)
                     return
-        if i < len(events) - 1:
-            return
+        if i == len(events) - 1:
+            self._copies_done(job)
+
+    def _copies_done(self, job: QuickJob) -> None:
+        """Every submitted copy of ``job`` has completed: end it cancelled, failed or done."""
+        assert job.enqueued is not None
         if job.transfer._cancel_requested:
             self._end(job, cancelled=True)
         elif job.enqueued.error is not None:

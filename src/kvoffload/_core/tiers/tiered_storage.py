@@ -18,7 +18,7 @@ from typing import Any
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, QuickJob
+from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, QuickJob
 from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
 from ..worker_loop import EndHook
@@ -149,7 +149,11 @@ class TieredStorage:
         """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
         and can be enqueued now (GPU) or made in one step (one chunk), else ``run(after)`` as a task."""
         if after is None:
-            after = worker.copier.caller_event()
+            try:
+                after = worker.copier.caller_event()
+            except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
+                worker.start_quick(QuickJob(transfer, plan, on_end, enqueued=Enqueued([], e)))
+                return
         if requests is not None and self.layout.is_cuda:
             worker.start_quick(QuickJob(transfer, plan, on_end, enqueued=worker.enqueue(requests, after)))
         elif requests is not None and len(requests) == 1:
