@@ -30,7 +30,7 @@ async def main() -> None:
         t.cancel()
         try:
             await t
-        except asyncio.CancelledError:
+        except kvoffload.TransferCancelled:  # cancelled by someone else: not this task's CancelledError
             print("cancelled explicitly")
 
         # asyncio.shield: the waiter gives up, the transfer finishes anyway.

@@ -68,9 +68,9 @@ async def test_transfer_cancel_mid_load_stops_writing(faults):
         assert transfer.cancel()
         assert not transfer.done()  # the third chunk is still being copied
         gate.open()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(kvoffload.TransferCancelled):  # cancelled by t.cancel(), not by the awaiting task
             await transfer
-        assert gate.in_flight == 0, "CancelledError arrived while a copy was still running"
+        assert gate.in_flight == 0, "TransferCancelled arrived while a copy was still running"
         copied = len(gate.calls)
         after = {n: t.clone() for n, t in caches.items()}
         # a later load through the same worker loop: anything the cancelled one left queued would run first
@@ -78,7 +78,7 @@ async def test_transfer_cancel_mid_load_stops_writing(faults):
         assert [list(c[3]) for c in gate.calls[copied:]] == [[40]], f"a cancelled load kept copying: {gate.calls[copied:]}"
         for n in caches:
             after[n][40] = caches[n][40]
-            assert same_bytes(caches[n], after[n]), "destination written after CancelledError"
+            assert same_bytes(caches[n], after[n]), "destination written after TransferCancelled"
         assert off.stats().pinned == 0
         assert not transfer.cancel()  # already finished
 
@@ -94,12 +94,13 @@ async def test_cancel_before_start_runs_nothing(faults):
         assert t.cancel()
         gate.open()
         await blocker
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(kvoffload.TransferCancelled):
             await t
         assert gate.passed == 1  # only the blocker's chunk ran
         assert "second" not in off and off.stats().pending == 0 and off.stats().host_free == 15
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(kvoffload.TransferCancelled):
             t.result(1)
+        assert t.cancelled()
 
 
 @pytest.mark.asyncio
@@ -151,6 +152,6 @@ async def test_close_cancels_in_flight_transfers(faults):
     gate.open()
     await asyncio.to_thread(off.close)
     assert t.cancelled()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(kvoffload.TransferCancelled):  # close() cancelled it, not the awaiting task
         await t
     assert not [th for th in threading.enumerate() if th.name.startswith("kvoffload")]

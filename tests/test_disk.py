@@ -301,7 +301,7 @@ async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_p
         t.cancel()
         assert not t.done(), "cancel completed while a pwritev was still running"
         gate.open()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(kvoffload.TransferCancelled):
             await t
         assert gate.passed >= 1 and io_running_at_end == [0], "the store ended while its pwritev was still running"
         gate.remove()

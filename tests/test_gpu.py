@@ -187,7 +187,7 @@ async def test_after_event_overrides_current_stream():
 @pytest.mark.asyncio
 async def test_cancel_mid_transfer_leaves_no_torn_entry():
     # A host-tier store is enqueued whole at call time; here its copies wait behind a kernel on the
-    # caller's stream when it is cancelled. CancelledError comes only once they all ended, none of its
+    # caller's stream when it is cancelled. TransferCancelled comes only once they all ended, none of its
     # keys is published, and the slots it held are reused safely.
     caches = gpu_caches(512)
     orig = {n: t.clone() for n, t in caches.items()}
@@ -198,7 +198,7 @@ async def test_cancel_mid_transfer_leaves_no_torn_entry():
             t = off.store({i: i for i in range(512)})
         assert not t.done()
         t.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(kvoffload.TransferCancelled):
             await t
         assert side.query()  # the copies waited for the caller's kernel, and the cancel for the copies
         s = off.stats()
@@ -279,7 +279,7 @@ async def test_gpu_disk_cancel_mid_transfer(tmp_path, faults):
         gate.open()
         try:
             await t
-        except asyncio.CancelledError:
+        except kvoffload.TransferCancelled:
             pass
         s = off.stats()
         assert s.pending == 0 and s.in_flight == 0 and s.disk_free + s.disk_ready == 256

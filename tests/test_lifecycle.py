@@ -537,7 +537,7 @@ def test_done_callback_raising_a_base_exception_does_not_stop_the_worker(exc):
         async def main():
             t = off.store({{"first": 0}})
             assert entered.wait(10)
-            t.add_done_callback(bad)  # runs on the worker thread, before the awaiting loop's wake-up
+            t.add_done_callback(bad)  # registered on this loop: runs on it (the ones below, from a plain thread, on the worker)
             async def wait_for_t():
                 return await t
 
@@ -572,7 +572,7 @@ def test_done_callback_raising_a_base_exception_does_not_stop_the_worker(exc):
         try:
             t.result(2)
             print("cancel: completed first")
-        except asyncio.CancelledError:
+        except kvoffload.TransferCancelled:
             print("cancel: cancelled")
         except BaseException as e:
             print("cancel:", type(e).__name__)
@@ -644,7 +644,7 @@ def test_stats_count_a_cancelled_transfer_when_its_waiter_wakes(make_offloader, 
     gate.open()
     try:
         t.result(10)
-    except asyncio.CancelledError:
+    except kvoffload.TransferCancelled:
         pass
     s = off.stats()
     assert s.in_flight == 0 and (s.cancelled, s.stores) == ((1, 0) if t.cancelled() else (0, 1)), s

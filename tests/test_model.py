@@ -461,8 +461,12 @@ class OffloaderMachine(RuleBasedStateMachine):
             raised = None
             try:
                 await task
-            except (asyncio.CancelledError, TimeoutError) as e:
+            except (asyncio.CancelledError, TimeoutError, kvoffload.TransferCancelled) as e:
                 raised = e
+            if how == "transfer" and t.cancelled():
+                assert isinstance(raised, kvoffload.TransferCancelled), f"cancelled by Transfer.cancel(), the waiter got {raised!r}"
+            elif how in ("task", "timeout") and raised is not None:
+                assert not isinstance(raised, kvoffload.TransferCancelled), f"the waiter's own cancellation came as {raised!r}"
             assert t.done(), "the awaiting task ended before the transfer"
             if t.cancelled():
                 assert raised is not None, "a cancelled transfer returned a result"

@@ -65,7 +65,7 @@ def thread_waiter(transfers, outcomes: list) -> threading.Thread:
             try:
                 t.result(timeout=60)
                 outcomes.append("done")
-            except asyncio.CancelledError:
+            except kvoffload.TransferCancelled:
                 outcomes.append("cancelled")
             except Exception as e:
                 outcomes.append(repr(e))
@@ -79,7 +79,7 @@ async def task_outcome(t) -> str:
     try:
         await t
         return "done"
-    except asyncio.CancelledError:
+    except kvoffload.TransferCancelled:  # close() cancelled it: never the waiting task's own CancelledError
         return "cancelled"
     except Exception as e:
         return repr(e)

@@ -383,7 +383,7 @@ async def test_the_discarded_spill_victim_never_frees_the_heirs_slot(tmp_path, f
         if then == "store ends":
             await st
         else:
-            with pytest.raises(asyncio.CancelledError):
+            with pytest.raises(kvoffload.TransferCancelled):
                 await st
         check_index(off)
         s = off.stats()

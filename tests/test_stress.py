@@ -134,8 +134,8 @@ async def task_worker(w: int, off, caches, orig, tally: Tally) -> None:
             return  # this worker stops; the others go on
         try:
             waiter.result()
-        except (asyncio.CancelledError, TimeoutError):
-            pass
+        except (asyncio.CancelledError, TimeoutError, kvoffload.TransferCancelled):
+            pass  # the waiter's own cancellation or timeout; a cancel() from elsewhere
         except kvoffload.OffloadError as e:
             tally.error(f"task {w}: {kind} failed: {e!r}")
         if t.done() and not t.cancelled() and t.exception() is None and kind == "load":
@@ -158,7 +158,7 @@ def thread_worker(w: int, off, caches, orig, tally: Tally) -> None:
             t.cancel()
         try:
             t.result(timeout=HANG_S)
-        except asyncio.CancelledError:
+        except kvoffload.TransferCancelled:
             pass
         except TimeoutError:
             tally.error(f"thread {w}: a {kind} did not end within {HANG_S} s ({t!r}, {off.stats()})")
@@ -306,7 +306,7 @@ async def torn_load_after_cancelled_spill(workdir: str, faults) -> bool:
 
 
 async def _quietly(t) -> None:
-    with contextlib.suppress(asyncio.CancelledError):
+    with contextlib.suppress(asyncio.CancelledError, kvoffload.TransferCancelled):
         await t
 
 

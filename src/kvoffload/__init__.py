@@ -15,6 +15,7 @@ from ._core.errors import (
     MissingKeysError,
     OffloadError,
     StartError,
+    TransferCancelled,
     TransferError,
 )
 from ._core.layout import BlockLayout
@@ -31,6 +32,7 @@ __all__ = [
     "BlockLayout",
     "OffloadError",
     "TransferError",
+    "TransferCancelled",
     "CapacityError",
     "MissingKeysError",
     "ClosedError",

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
+__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop"]
 
 
 class Mailbox:
@@ -81,3 +81,18 @@ def resolve_from_any_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future
         loop.call_soon_threadsafe(resolve, fut)
     except RuntimeError:
         pass
+
+
+def caller_of_current_loop() -> Callable[[Callable[[], Any]], Any]:
+    """A non-blocking, thread-safe ``call(fn)`` that runs ``fn()`` on the event loop running in this
+    thread, whatever the backend anyio knows it by: the loop's mailbox on asyncio,
+    ``TrioToken.run_sync_soon`` on trio. The call raises ``RuntimeError`` once that loop is gone.
+    Raises anyio's ``NoEventLoopError`` when no event loop runs here."""
+    import anyio.lowlevel
+
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        box = mailbox_of(native)
+        return box.post
+    run_sync_soon: Callable[[Callable[[], Any]], Any] = getattr(native, "run_sync_soon")
+    return run_sync_soon

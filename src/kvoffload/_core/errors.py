@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 __all__ = [
-    "OffloadError", "TransferError", "CapacityError", "MissingKeysError", "ClosedError", "StartError", "CloseError",
+    "OffloadError", "TransferError", "TransferCancelled", "CapacityError", "MissingKeysError", "ClosedError", "StartError",
+    "CloseError",
 ]
 
 
@@ -22,6 +23,17 @@ class TransferError(OffloadError):
 
     The failed transfer publishes none of its unfinished keys; other entries
     stay intact and the offloader keeps serving.
+    """
+
+
+class TransferCancelled(OffloadError):
+    """The transfer was cancelled by something other than the task awaiting it: ``Transfer.cancel()``,
+    ``close()``, or the garbage collection of its offloader.
+
+    Raised by ``await transfer``, ``transfer.result()`` and ``transfer.exception()``. A task whose own
+    cancellation cancelled the transfer gets its framework's cancellation instead
+    (``asyncio.CancelledError``, ``trio.Cancelled``). Either way ``transfer.cancelled()`` is True,
+    and the transfer published none of its unfinished keys.
     """
 
 

@@ -8,7 +8,9 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["HelperThread", "on_worker_thread", "run_in_thread", "off_loop"]
+from .cross_thread import caller_of_current_loop
+
+__all__ = ["HelperThread", "on_worker_thread", "run_in_thread", "off_loop", "off_any_loop"]
 
 T = TypeVar("T")
 
@@ -57,3 +59,31 @@ async def off_loop(fn: Callable[[], T], name: str) -> tuple[asyncio.Future[T], a
             held = e
     thread.join()  # the result is set just before the thread returns: wait out that instant
     return fut, held
+
+
+async def off_any_loop(fn: Callable[[], T], name: str) -> tuple[concurrent.futures.Future[T], bool]:
+    """:func:`off_loop` for any backend anyio runs (trio): returns the finished future and whether
+    the awaiting task was cancelled meanwhile (the caller then raises its cancellation with
+    ``anyio.lowlevel.checkpoint_if_cancelled()``)."""
+    import anyio
+
+    thread_fut, thread = run_in_thread(fn, name)
+    call_soon = caller_of_current_loop()
+    ended = anyio.Event()
+
+    def wake(_: object) -> None:
+        try:
+            call_soon(ended.set)
+        except RuntimeError:  # the waiting run has ended
+            pass
+
+    thread_fut.add_done_callback(wake)
+    with anyio.CancelScope(shield=True):
+        await ended.wait()
+    thread.join()
+    cancelled = False
+    try:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+    except anyio.get_cancelled_exc_class():
+        cancelled = True
+    return thread_fut, cancelled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -12,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ClosedError, StartError
-from .helper_threads import off_loop
+from .helper_threads import off_any_loop, off_loop
 from .layout import BlockLayout, check_block_mapping
 from .options import Options
 from .runtime import Runtime, finalize_runtime, process_generation
@@ -23,6 +24,15 @@ from .transfer import Transfer, TransferResult
 __all__ = ["Offloader", "OffloaderStats"]
 
 log = logging.getLogger("kvoffload")
+
+
+async def _raise_cancellation(close_error: BaseException | None) -> None:
+    """Raise the awaiting task's held-back cancellation (its framework's own exception)."""
+    import anyio.lowlevel
+
+    if close_error is not None:
+        log.warning("kvoffload: closing after a cancelled call failed: %s", close_error)
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 class Offloader:
@@ -118,7 +128,7 @@ class Offloader:
     def close(self, timeout: float = 30.0) -> None:
         """Cancel in-flight transfers, wait for their queued copies, join the threads, free memory, remove the disk file.
 
-        Transfers still running end cancelled (their waiters get ``CancelledError``),
+        Transfers still running end cancelled (their waiters get :class:`TransferCancelled`),
         having published none of their unfinished keys. May be called from any thread:
         on one of the offloader's own threads (in a done callback, say) it cannot wait
         for itself, so it hands the shutdown to a thread named ``kvoffload-close`` and
@@ -149,10 +159,16 @@ class Offloader:
     async def aclose(self, timeout: float = 30.0) -> None:
         """:meth:`close` on a thread of its own (``kvoffload-close``): the event loop keeps running.
 
-        Shielded: if the awaiting task is cancelled, the close still completes, then
-        ``CancelledError`` is raised. Raises :class:`CloseError` as ``close()`` does.
+        Shielded: if the awaiting task is cancelled, the close still completes, then the
+        task's cancellation is raised. Raises :class:`CloseError` as ``close()`` does.
         """
         if self._closed and self._runtime is None:
+            return
+        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
+            done, cancelled = await off_any_loop(lambda: self.close(timeout), "kvoffload-close")
+            if cancelled:
+                await _raise_cancellation(done.exception())
+            done.result()
             return
         fut, held = await off_loop(lambda: self.close(timeout), "kvoffload-close")
         if held is not None:
@@ -176,8 +192,15 @@ class Offloader:
         """:meth:`start` on a thread of its own (``kvoffload-start``): the event loop keeps running.
 
         If the awaiting task is cancelled meanwhile, waits for ``start()`` to end,
-        closes the offloader, then raises ``CancelledError``: nothing stays allocated.
+        closes the offloader, then raises the task's cancellation: nothing stays allocated.
+        Works under asyncio, trio and anyio.
         """
+        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
+            started, cancelled = await off_any_loop(self.start, "kvoffload-start")
+            if cancelled:
+                closed, _ = await off_any_loop(self.close, "kvoffload-close")
+                await _raise_cancellation(closed.exception())
+            return started.result()
         fut, held = await off_loop(self.start, "kvoffload-start")
         if held is not None:
             closing, _ = await off_loop(self.close, "kvoffload-close")

@@ -1,22 +1,32 @@
 """The :class:`Transfer` handle that ``store()`` and ``load()`` return.
 
-A transfer runs as a task on one of the offloader's worker loops. The handle
-bridges its outcome to whoever waits: any asyncio loop in any thread (``await``),
-a plain thread (``result()``), or a callback. At most one cross-thread wake-up
-per waiting loop is spent when the transfer ends, shared with every other
-transfer that ends before that loop runs (see ``wakeup.py``).
+A transfer runs on one of the offloader's worker loops. The handle bridges its
+outcome to whoever waits: any asyncio loop in any thread, a trio run, or anyio on
+either (``await``); a plain thread (``result()``); or a callback. Waiting on asyncio
+goes through the loop's mailbox (at most one cross-thread wake-up per waiting loop,
+shared with every other transfer that ends before that loop runs, see
+``cross_thread.py``); anything else waits on an anyio ``Event`` set through the
+backend's own thread-safe call (``TrioToken.run_sync_soon``).
+
+A ``Transfer`` is not an ``asyncio.Future``, but it has what asyncio's combinators
+use: ``asyncio.wait`` registers done callbacks (run on the registering loop, as a
+future's are) and removes them; ``gather``, ``wait_for``, ``as_completed``,
+``shield`` and ``ensure_future`` wrap it in a task that awaits it, so cancelling
+that task cancels the transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
-from .cross_thread import mailbox_of, resolve
+from .cross_thread import caller_of_current_loop, mailbox_of, resolve
+from .errors import TransferCancelled
 
 __all__ = ["Transfer", "TransferResult"]
 
@@ -46,12 +56,17 @@ class TransferResult:
 _PENDING, _DONE, _FAILED, _CANCELLED = range(4)
 
 
+_Callback = tuple[Callable[["Transfer"], Any], "asyncio.AbstractEventLoop | None", "contextvars.Context | None"]
+"""A done callback, the loop it runs on (None: where the transfer ends) and its context."""
+
+
 class Transfer:
     """A running store or load: await it, cancel it, or wait on it from a thread.
 
-    Cancelling the task that awaits a transfer cancels the transfer
-    (``asyncio.shield(transfer)`` opts out). ``CancelledError`` reaches the
-    awaiting task only once the transfer no longer writes to its destination.
+    Cancelling the task that awaits a transfer cancels the transfer (``asyncio.shield``
+    opts out); the task's cancellation reaches it only once the transfer no longer writes
+    to its destination. A transfer cancelled by anything else ends with
+    :class:`TransferCancelled`.
     """
 
     __slots__ = ("kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller")
@@ -63,7 +78,7 @@ class Transfer:
         self._result: TransferResult | None = None
         self._exc: BaseException | None = None
         self._finished: threading.Event | None = None  # made when a thread first blocks on the transfer
-        self._callbacks: list[Callable[[Transfer], Any]] = []
+        self._callbacks: list[_Callback] = []
         self._cancel_requested = False
         self._canceller: Callable[[], Any] | None = None
 
@@ -100,7 +115,7 @@ class Transfer:
         """Block the calling thread until the transfer ends and return its result.
 
         Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds,
-        ``asyncio.CancelledError`` if it was cancelled, or the transfer's error.
+        :class:`TransferCancelled` if it was cancelled, or the transfer's error.
         Do not call this on a running event loop: await the transfer instead.
         """
         if not self._block(timeout):
@@ -108,11 +123,12 @@ class Transfer:
         return self._outcome()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Like :meth:`result` but returns the error (None on success)."""
+        """Like :meth:`result` but returns the error (None on success); raises :class:`TransferCancelled`
+        if the transfer was cancelled."""
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
         if self._state == _CANCELLED:
-            raise asyncio.CancelledError()
+            raise self._cancelled_error()
         return self._exc
 
     def _block(self, timeout: float | None) -> bool:
@@ -124,19 +140,30 @@ class Transfer:
             finished = self._finished
         return finished.wait(timeout)
 
-    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
-        """Call ``fn(transfer)`` when the transfer ends.
+    def add_done_callback(self, fn: Callable[[Transfer], Any], *, context: contextvars.Context | None = None) -> None:
+        """Call ``fn(transfer)`` when the transfer ends (soon, if it has ended).
 
-        It runs on the worker thread that finished the transfer, or at once in
-        the calling thread if it has already ended; keep it short and thread-safe
-        (``loop.call_soon_threadsafe`` to reach a loop). Whatever it raises,
-        ``SystemExit`` and ``KeyboardInterrupt`` included, is logged and ignored.
+        Registered on a thread running an asyncio loop, it runs on that loop, as an
+        ``asyncio.Future``'s callbacks do (``context`` as there), or where the transfer
+        ends if that loop has closed meanwhile. Registered on a plain thread, it runs
+        on the worker thread that finishes the transfer, or at once if it has ended;
+        keep it short and thread-safe. Whatever it raises, ``SystemExit`` and
+        ``KeyboardInterrupt`` included, is logged and ignored.
         """
+        cb: _Callback = (fn, asyncio._get_running_loop(), context)
         with self._lock:
             if self._state == _PENDING:
-                self._callbacks.append(fn)
+                self._callbacks.append(cb)
                 return
-        _call_quietly(fn, self)
+        self._dispatch(cb)
+
+    def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
+        """Remove every registration of ``fn``; returns how many there were."""
+        with self._lock:
+            kept = [cb for cb in self._callbacks if cb[0] != fn]
+            removed = len(self._callbacks) - len(kept)
+            self._callbacks = kept
+        return removed
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         return self._wait().__await__()
@@ -144,20 +171,60 @@ class Transfer:
     # -- waiting from an event loop ---------------------------------------------
 
     async def _wait(self) -> TransferResult:
-        loop = asyncio.get_running_loop()
+        if self._state != _PENDING:
+            return self._outcome()
+        loop = asyncio._get_running_loop()
+        if loop is None:  # trio, or anyio on trio
+            return await self._wait_anyio()
         try:
             await self._finished_on(loop)
         except asyncio.CancelledError:
             # Our awaiting task was cancelled: cancel the transfer, then hold the
             # CancelledError back until nothing more is written.
             self.cancel()
-            while True:
+            await self._wind_down(loop)
+            raise
+        return self._outcome()
+
+    async def _wind_down(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for the transfer to end whatever happens meanwhile, without spinning: anyio's cancel
+        scopes would re-deliver the cancellation at every await, asyncio's may come again."""
+        import anyio
+
+        finished = self._finished_on(loop)  # the first one was cancelled with the awaiting task
+        with anyio.CancelScope(shield=True):
+            while not finished.done():
                 try:
-                    await asyncio.shield(self._finished_on(loop))
-                    break
+                    await asyncio.shield(finished)
                 except asyncio.CancelledError:
                     continue
-            raise
+
+    async def _wait_anyio(self) -> TransferResult:
+        """Wait under any backend anyio runs (trio): an anyio ``Event`` set through the backend's
+        thread-safe call."""
+        import anyio
+
+        call_soon = caller_of_current_loop()
+        event = anyio.Event()
+
+        def wake(_: Transfer) -> None:
+            try:
+                call_soon(event.set)
+            except RuntimeError:  # the waiting run has ended (trio.RunFinishedError): nobody to wake
+                pass
+
+        with self._lock:
+            pending = self._state == _PENDING
+            if pending:
+                self._callbacks.append((wake, None, None))
+        if pending:
+            try:
+                await event.wait()
+            except anyio.get_cancelled_exc_class():
+                self.cancel()
+                with anyio.CancelScope(shield=True):
+                    await event.wait()
+                raise
         return self._outcome()
 
     def _finished_on(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
@@ -172,17 +239,20 @@ class Transfer:
 
         with self._lock:
             if self._state == _PENDING:
-                self._callbacks.append(wake)
+                self._callbacks.append((wake, None, None))
                 return fut
         fut.set_result(None)
         return fut
+
+    def _cancelled_error(self) -> TransferCancelled:
+        return TransferCancelled(f"the {self.kind} was cancelled (Transfer.cancel(), close(), or its offloader was collected)")
 
     def _outcome(self) -> TransferResult:
         if self._state == _DONE:
             assert self._result is not None
             return self._result
         if self._state == _CANCELLED:
-            raise asyncio.CancelledError()
+            raise self._cancelled_error()
         assert self._exc is not None
         raise self._exc
 
@@ -211,13 +281,26 @@ class Transfer:
             finished = self._finished
         if finished is not None:
             finished.set()
-        for fn in callbacks:
-            _call_quietly(fn, self)
+        for cb in callbacks:
+            self._dispatch(cb)
+
+    def _dispatch(self, cb: _Callback) -> None:
+        """Run a done callback where it belongs: on its loop, else (or if that loop has closed) here."""
+        fn, loop, context = cb
+        if loop is not None and not loop.is_closed():
+            try:
+                mailbox_of(loop).post(_call_quietly, fn, self, context)
+                return
+            except RuntimeError:  # closed meanwhile
+                pass
+        _call_quietly(fn, self, context)
 
 
-
-def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer) -> None:
+def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer, context: contextvars.Context | None = None) -> None:
     try:
-        fn(transfer)
+        if context is not None:
+            context.run(fn, transfer)
+        else:
+            fn(transfer)
     except BaseException:  # a user's callback must not stop the worker loop, not even with SystemExit
         log.exception("done callback %r raised", fn)

@@ -56,6 +56,9 @@ def _current_raw_stream(device_index: int) -> int:
 class CudaBlockCopier:
     """One direction's streams, staging buffers and batched copy."""
 
+    FEW_COPIES = 64
+    """Direct copies of at most this many pieces get their addresses as Python ints, not numpy arrays."""
+
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
         gather_ctas: int = 0,
@@ -82,6 +85,7 @@ class CudaBlockCopier:
         self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
         self._piece_bytes = np.array([p.nbytes for p in self._pieces], dtype=np.uint64)
         self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
+        self._piece_ints = [(r.data_ptr(), p.nbytes, p.offset) for r, p in zip(self._rows, self._pieces)]
         self._tables = torch.tensor(
             np.stack([self._bases, self._piece_bytes, self._piece_offsets]).astype(np.int64), device=layout.device
         )
@@ -109,15 +113,31 @@ class CudaBlockCopier:
 
     def _direct_dma(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         """One descriptor per (tensor, block) between cache and host slots, no staging."""
+        if len(block_ids) * len(self._pieces) <= self.FEW_COPIES:  # Python ints: numpy costs more than it saves
+            slot, hbase = self._layout.slot_bytes, host.data_ptr()
+            caddrs: list[int] = []
+            haddrs: list[int] = []
+            sizes: list[int] = []
+            for b, r in zip(block_ids, rows):
+                h = hbase + r * slot
+                for base, nbytes, offset in self._piece_ints:
+                    caddrs.append(base + b * nbytes)
+                    haddrs.append(h + offset)
+                    sizes.append(nbytes)
+            if to_host:
+                self._copy.few(haddrs, caddrs, sizes, self._cstream)
+            else:
+                self._copy.few(caddrs, haddrs, sizes, self._cstream)
+            return
         ids = np.asarray(block_ids, dtype=np.uint64)
         hr = np.asarray(rows, dtype=np.uint64)
         cache_addrs = (self._bases[:, None] + ids[None, :] * self._piece_bytes[:, None]).ravel()
         host_addrs = (host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]).ravel()
-        sizes = np.repeat(self._piece_bytes, len(ids))
+        piece_sizes = np.repeat(self._piece_bytes, len(ids))
         if to_host:
-            self._copy(host_addrs, cache_addrs, sizes, self._cstream)
+            self._copy(host_addrs, cache_addrs, piece_sizes, self._cstream)
         else:
-            self._copy(cache_addrs, host_addrs, sizes, self._cstream)
+            self._copy(cache_addrs, host_addrs, piece_sizes, self._cstream)
 
     def _take_staging(self, stream: int) -> tuple[int, torch.Tensor]:
         b = self._turn

@@ -135,6 +135,10 @@ class BatchCopy:
         self._attrs = attrs  # kept alive: its memory is passed by address
         self._attrs_idx = np.zeros(1, dtype=np.uintp)
         self._fail_idx = ctypes.c_size_t(0)
+        # Addresses computed once: numpy's .ctypes and the bindings' getPtr() cost microseconds per call.
+        self._attrs_ptr = int(attrs.getPtr())
+        self._attrs_idx_ptr = int(self._attrs_idx.ctypes.data)
+        self._fail_idx_ptr = ctypes.addressof(self._fail_idx)
 
     @property
     def batched(self) -> bool:
@@ -173,22 +177,31 @@ class BatchCopy:
             dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
             srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
             sizes = np.ascontiguousarray(sizes, dtype=np.uintp)
-            err = self._fn(
-                dsts.ctypes.data,
-                srcs.ctypes.data,
-                sizes.ctypes.data,
-                n,
-                self._attrs.getPtr(),
-                self._attrs_idx.ctypes.data,
-                1,
-                ctypes.addressof(self._fail_idx),
-                stream,
-            )
-            if err != 0:
-                check(f"cuMemcpyBatchAsync (copy {self._fail_idx.value} of {n})", err)
+            self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, stream)
             return
+        self._one_by_one(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)
+
+    def few(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> None:
+        """:meth:`__call__` for a handful of copies given as Python ints (one block, say): no numpy."""
+        n = len(sizes)
+        if n == 0:
+            return
+        if self._fn is not None:
+            arr = ctypes.c_uint64 * n
+            d, s, z = arr(*dsts), arr(*srcs), (ctypes.c_size_t * n)(*sizes)
+            self._batch(ctypes.addressof(d), ctypes.addressof(s), ctypes.addressof(z), n, stream)
+            return
+        self._one_by_one(dsts, srcs, sizes, stream)
+
+    def _batch(self, dsts: int, srcs: int, sizes: int, n: int, stream: int) -> None:
+        assert self._fn is not None
+        err = self._fn(dsts, srcs, sizes, n, self._attrs_ptr, self._attrs_idx_ptr, 1, self._fail_idx_ptr, stream)
+        if err != 0:
+            check(f"cuMemcpyBatchAsync (copy {self._fail_idx.value} of {n})", err)
+
+    def _one_by_one(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> None:
         cu = self._cu
-        for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        for d, s, z in zip(dsts, srcs, sizes):
             (err,) = cu.cuMemcpyAsync(d, s, z, stream)
             check("cuMemcpyAsync", err)
 
