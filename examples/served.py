@@ -1,0 +1,159 @@
+"""A prefix cache served over HTTP (Starlette on uvicorn).
+
+POST /generate with {"tokens": [...], "deadline_s": 5} looks up the request's prefix, loads the
+blocks it finds, "computes" the others (a stand-in for the model), and stores them. A client that
+hangs up, or a request past its deadline, cancels the transfer in flight: the handler races the
+work against the client's ``http.disconnect`` and the deadline, cancels the work's task, and
+answers only once the transfer let go of its blocks. GET /stats returns ``Offloader.stats()``.
+
+python examples/served.py     # serves on 127.0.0.1, sends itself a few requests (one hangs up), stops
+
+Needs starlette, uvicorn and httpx (pip install starlette uvicorn httpx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import kvoffload
+
+BLOCK_TOKENS = 16
+
+
+class PrefixCacheService:
+    """Cache blocks for requests, and the offloader that keeps their prefixes."""
+
+    def __init__(self, off: kvoffload.Offloader, caches: dict[str, torch.Tensor]) -> None:
+        self.off = off
+        self.caches = caches
+        self.free_blocks = list(range(off.layout.num_blocks))
+        self.lock = threading.Lock()
+        self.abandoned = {"disconnect": 0, "deadline": 0}
+        """Requests whose work was cancelled, by cause (counted when the cancel is sent)."""
+
+    @staticmethod
+    def keys_for(tokens: list[int]) -> list[bytes]:
+        """One key per full block of tokens, chained: a key names its whole prefix."""
+        keys, h = [], b""
+        for i in range(0, len(tokens) - len(tokens) % BLOCK_TOKENS, BLOCK_TOKENS):
+            h = hashlib.sha256(h + repr(tokens[i : i + BLOCK_TOKENS]).encode()).digest()
+            keys.append(h)
+        return keys
+
+    def compute(self, key: bytes, block: int) -> None:
+        """Stand-in for the model: the block's KV data, derived from its key."""
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        for t in self.caches.values():
+            t[block].copy_(torch.randn(t[block].shape, generator=g).to(t.dtype))
+
+    async def serve(self, tokens: list[int]) -> dict[str, Any]:
+        keys = self.keys_for(tokens)
+        with self.lock:
+            if len(keys) > len(self.free_blocks):
+                raise RuntimeError("out of cache blocks")
+            blocks = [self.free_blocks.pop() for _ in keys]
+        try:
+            hits = self.off.lookup(keys)
+            if hits:
+                await self.off.load(dict(zip(keys[:hits], blocks)))  # cancelled with this task
+            for key, block in zip(keys[hits:], blocks[hits:]):
+                self.compute(key, block)
+            if len(keys) > hits:
+                await self.off.store(dict(zip(keys[hits:], blocks[hits:])))
+            return {"blocks": len(keys), "hits": hits, "stored": len(keys) - hits}
+        finally:
+            # Reached only once no transfer writes these blocks: cancellation waits for that.
+            with self.lock:
+                self.free_blocks.extend(blocks)
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def generate(request: Request) -> Response:
+    body = await request.json()
+    service: PrefixCacheService = request.app.state.service
+    work = asyncio.ensure_future(service.serve(list(body["tokens"])))
+    gone = asyncio.ensure_future(_client_gone(request))
+    done, _ = await asyncio.wait({work, gone}, timeout=float(body.get("deadline_s", 10)), return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        gone.cancel()
+        try:
+            return JSONResponse(work.result())
+        except RuntimeError as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
+    service.abandoned["disconnect" if gone in done else "deadline"] += 1
+    work.cancel()  # cancels the transfer it awaits
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # returns once the transfer stopped writing and the blocks are back
+    if gone in done:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    gone.cancel()
+    return JSONResponse({"error": "deadline passed"}, status_code=504)
+
+
+async def stats(request: Request) -> Response:
+    service: PrefixCacheService = request.app.state.service
+    return JSONResponse({**dataclasses.asdict(service.off.stats()), "abandoned": service.abandoned})
+
+
+def make_app(num_blocks: int = 256, host_blocks: int = 1024, **offloader_options: Any) -> Starlette:
+    """The ASGI app; its offloader starts and closes with the server (``app.state.service``)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        caches = {f"layer.{i}": torch.zeros(num_blocks, 2, BLOCK_TOKENS, 4, 64, device=device) for i in range(4)}
+        async with kvoffload.Offloader(caches, host_blocks=host_blocks, **offloader_options) as off:
+            app.state.service = PrefixCacheService(off, caches)
+            yield
+
+    return Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/stats", stats)], lifespan=lifespan)
+
+
+async def _demo() -> None:
+    import httpx
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(make_app(), host="127.0.0.1", port=0, log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    tokens = list(range(16 * 8))
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        print("first request: ", (await client.post("/generate", json={"tokens": tokens})).json())
+        print("same prefix:   ", (await client.post("/generate", json={"tokens": tokens + [1, 2, 3]})).json())
+        # A client that hangs up mid-request: its transfer (if still running) is cancelled.
+        hanging = asyncio.ensure_future(client.post("/generate", json={"tokens": tokens[::-1] * 4}))
+        await asyncio.sleep(0.002)
+        hanging.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hanging
+        await asyncio.sleep(0.1)
+        s = (await client.get("/stats")).json()
+        print(f"after a hang-up: {s['in_flight']} transfers in flight, {s['pinned']} keys pinned, "
+              f"{s['cancelled']} cancelled, {s['stores']} stores, {s['loads']} loads")
+        print("still answers: ", (await client.post("/generate", json={"tokens": tokens})).json())
+    server.should_exit = True
+    await serving
+
+
+if __name__ == "__main__":
+    asyncio.run(_demo())
