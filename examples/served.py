@@ -109,7 +109,10 @@ async def generate(request: Request) -> Response:
 
 async def stats(request: Request) -> Response:
     service: PrefixCacheService = request.app.state.service
-    return JSONResponse({**dataclasses.asdict(service.off.stats()), "abandoned": service.abandoned})
+    s = service.off.stats()
+    latency = {"/".join(k): {"count": h.count, "p50_s": h.quantile(0.5), "p99_s": h.quantile(0.99)} for k, h in s.latency.items()}
+    counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "latency"}
+    return JSONResponse({**counters, "latency": latency, "abandoned": service.abandoned})
 
 
 def make_app(num_blocks: int = 256, host_blocks: int = 1024, **offloader_options: Any) -> Starlette:

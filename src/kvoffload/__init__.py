@@ -21,12 +21,14 @@ from ._core.errors import (
 from ._core.layout import BlockLayout
 from ._core.offloader import Offloader, OffloaderStats
 from ._core.options import Options
+from ._core.stats import LatencyHistogram
 from ._core.transfer import Transfer, TransferResult
 
 __all__ = [
     "Offloader",
     "Options",
     "OffloaderStats",
+    "LatencyHistogram",
     "Transfer",
     "TransferResult",
     "BlockLayout",

@@ -25,6 +25,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ class JobSteps(Protocol):
 
     reports_landings: bool
     """True: call :meth:`landed` as each copy completes (stores publish chunk by chunk)."""
+    taken: float | None
+    """When a worker took the transfer (``time.perf_counter()``); the worker sets it."""
 
     def landed(self, i: int) -> None:
         """Copy ``i`` (and every copy before it) has completed."""
@@ -221,6 +224,9 @@ class CopyWorker:
         self._batch_scheduled = False
         jobs, self._arrived = self._arrived, []
         self._finishing = []
+        now = time.perf_counter()
+        for job in jobs:
+            job.steps.taken = now
         try:
             to_copy: list[QuickJob] = []
             for job in jobs:

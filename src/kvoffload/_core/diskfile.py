@@ -22,6 +22,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ class DiskFile:
         self.nbytes = nbytes
         self.io = IoCalls()
         self.fd = -1
+        self._counts_lock = threading.Lock()
+        self._counts = {"bytes_written": 0, "bytes_read": 0, "errors": 0}
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory of disk_path does not exist", parent)
@@ -125,15 +128,28 @@ class DiskFile:
 
     def write(self, buffers: Sequence[Any], offset: int) -> None:
         """Write all of ``buffers`` at ``offset``; any other outcome raises (short write: ``OSError(EIO)``)."""
-        want = sum(memoryview(b).nbytes for b in buffers)
-        done = call_foreign("disk write (pwritev)", self.io.pwritev, self.fd, buffers, offset)
-        _check_count("write", done, want, offset)
+        self._io("write", "disk write (pwritev)", self.io.pwritev, buffers, offset)
 
     def read(self, buffers: Sequence[Any], offset: int) -> None:
         """Fill all of ``buffers`` from ``offset``; any other outcome raises (short read: ``OSError(EIO)``)."""
+        self._io("read", "disk read (preadv)", self.io.preadv, buffers, offset)
+
+    def _io(self, what: str, call: str, fn: Any, buffers: Sequence[Any], offset: int) -> None:
         want = sum(memoryview(b).nbytes for b in buffers)
-        done = call_foreign("disk read (preadv)", self.io.preadv, self.fd, buffers, offset)
-        _check_count("read", done, want, offset)
+        try:
+            done = call_foreign(call, fn, self.fd, buffers, offset)
+            _check_count(what, done, want, offset)
+        except BaseException:
+            with self._counts_lock:
+                self._counts["errors"] += 1
+            raise
+        with self._counts_lock:
+            self._counts["bytes_written" if what == "write" else "bytes_read"] += want
+
+    def io_counts(self) -> dict[str, int]:
+        """Bytes written and read, and IO calls that failed, since the file was opened."""
+        with self._counts_lock:
+            return dict(self._counts)
 
     def unlink(self) -> None:
         """Remove the file from its directory if the path still names it (the fd stays open)."""

@@ -126,6 +126,7 @@ class BlockIndex:
         self._unread_waiters: dict[int, list[Callable[[], object]]] = {}
         """Host slot -> callbacks to run once it has no readers (heirs waiting to write)."""
         self.evicted = 0
+        self.evicted_by_tier = [0, 0]
         self.spilled = 0
 
     @property
@@ -170,6 +171,8 @@ class BlockIndex:
                 "pinned": sum(1 for e in self._entries.values() if e.loads),
                 "spilling": states.count(State.SPILLING),
                 "evicted": self.evicted,
+                "evicted_host": self.evicted_by_tier[HOST],
+                "evicted_disk": self.evicted_by_tier[DISK],
                 "spilled": self.spilled,
             }
 
@@ -273,6 +276,7 @@ class BlockIndex:
         self._forget(e)
         self._release(e.tier, e.slot, e)
         self.evicted += 1
+        self.evicted_by_tier[e.tier] += 1
 
     def spill_done(self, spill: Spill) -> None:
         """The victim's bytes are on disk: loads now find it there; its host slot becomes the heir's."""

@@ -115,7 +115,7 @@ class Offloader:
                 raise ClosedError("the offloader was closed; create a new one")
             if self._runtime is None:
                 try:
-                    rt = Runtime(self._layout, self._caches, self._options)
+                    rt = Runtime(self._layout, self._caches, self._options, self._counters)
                 except (StartError, TypeError, ValueError):
                     raise
                 except Exception as e:
@@ -255,7 +255,7 @@ class Offloader:
                 return t
             transfer = Transfer("store")
             self._counters.started()
-            storage.start_store(transfer, plan, after, on_end=self._counters.ended)
+            storage.start_store(transfer, plan, after)
             return transfer
 
     def load(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
@@ -279,7 +279,7 @@ class Offloader:
             plan = storage.plan_load(checked)
             transfer = Transfer("load")
             self._counters.started()
-            storage.start_load(transfer, plan, after, on_end=self._counters.ended)
+            storage.start_load(transfer, plan, after)
             return transfer
 
     def _check_after(self, after: object) -> None:
@@ -294,7 +294,9 @@ class Offloader:
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length)."""
-        return self._running_storage().index.lookup(keys)
+        hits = self._running_storage().index.lookup(keys)
+        self._counters.looked_up(hits)
+        return hits
 
     def __contains__(self, key: Hashable) -> bool:
         self._check_process()
@@ -312,6 +314,7 @@ class Offloader:
         rt = self._runtime
         storage = rt.storage if rt is not None else None
         c = storage.index.counts() if storage is not None else {}
+        io = storage.disk.file.io_counts() if storage is not None and storage.disk is not None else {}
         k = self._counters
         with k.lock:
             return OffloaderStats(
@@ -334,5 +337,16 @@ class Offloader:
                 cancelled=k.cancelled,
                 bytes_stored=k.bytes_stored,
                 bytes_loaded=k.bytes_loaded,
+                lookups=k.lookups,
+                lookup_hits=k.lookup_hits,
+                keys_loaded_from_host=k.keys_loaded_from_host,
+                keys_loaded_from_disk=k.keys_loaded_from_disk,
+                evicted_host=c.get("evicted_host", 0),
+                evicted_disk=c.get("evicted_disk", 0),
+                disk_bytes_written=io.get("bytes_written", 0),
+                disk_bytes_read=io.get("bytes_read", 0),
+                disk_io_errors=io.get("errors", 0),
+                bytes_stored_partially=k.bytes_stored_partially,
+                latency=k.latency(),
             )
 

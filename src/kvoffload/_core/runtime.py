@@ -24,6 +24,7 @@ from .layout import BlockLayout
 from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
 from .options import Options
+from .stats import TransferCounters
 from .tiers.disk import DiskTier
 from .tiers.tiered_storage import TieredStorage
 
@@ -96,7 +97,7 @@ class Runtime:
     shutdown to a ``kvoffload-close`` thread; after a timeout a later call finishes the job.
     """
 
-    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options) -> None:
+    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options, metrics: TransferCounters) -> None:
         self.pid = os.getpid()
         self.generation = _generation
         self.layout = layout
@@ -124,7 +125,7 @@ class Runtime:
                     raise
                 self.workers.append(CopyWorker(name, thread, copier, bridge, self.copy_calls))
             self.storage = TieredStorage(
-                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(*self.workers),
+                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(*self.workers), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
             )

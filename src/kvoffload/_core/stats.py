@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
-from .transfer import Transfer, TransferResult
+from .transfer import TransferResult
 
-__all__ = ["OffloaderStats", "TransferCounters"]
+__all__ = ["OffloaderStats", "LatencyHistogram", "TransferCounters", "LATENCY_BOUNDS"]
+
+LATENCY_BOUNDS: tuple[float, ...] = tuple(1e-5 * 2**i for i in range(24))
+"""Upper bounds (seconds) of the latency buckets: 10 us doubling up to about 84 s, then +Inf."""
+
+
+@dataclass(frozen=True)
+class LatencyHistogram:
+    """Latencies in buckets: ``counts[i]`` observations fell in ``(bounds[i-1], bounds[i]]``, the
+    last count above ``bounds[-1]``."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    """Seconds, all observations together."""
+    count: int
+
+    def quantile(self, q: float) -> float:
+        """The upper bound of the bucket holding the ``q`` quantile (``inf`` past the last bound; 0.0 if empty)."""
+        if not self.count:
+            return 0.0
+        rank, seen = q * self.count, 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            seen += n
+            if seen >= rank:
+                return bound
+        return float("inf")
 
 
 @dataclass(frozen=True)
 class OffloaderStats:
-    """A snapshot of the offloader's state (``Offloader.stats()``)."""
+    """A snapshot of the offloader's state (``Offloader.stats()``). Counts run since ``start()``."""
 
     host_slots: int
     host_free: int
@@ -30,9 +58,9 @@ class OffloaderStats:
     spilling: int
     """Host entries being written to disk to make room (still visible)."""
     evicted: int
-    """Entries dropped to make room, since start."""
+    """Entries dropped to make room."""
     spilled: int
-    """Entries moved from host memory to disk, since start."""
+    """Entries moved from host memory to disk."""
     in_flight: int
     """Transfers started and not yet finished."""
     stores: int
@@ -41,33 +69,95 @@ class OffloaderStats:
     cancelled: int
     bytes_stored: int
     bytes_loaded: int
+    lookups: int = 0
+    """``lookup()`` calls."""
+    lookup_hits: int = 0
+    """Leading keys found, summed over ``lookup()`` calls."""
+    keys_loaded_from_host: int = 0
+    keys_loaded_from_disk: int = 0
+    """Keys of completed loads, by the tier their bytes came from."""
+    evicted_host: int = 0
+    evicted_disk: int = 0
+    """``evicted``, by the tier the entry was dropped from."""
+    disk_bytes_written: int = 0
+    """Bytes written to the disk file (stores to disk and spills)."""
+    disk_bytes_read: int = 0
+    disk_io_errors: int = 0
+    """Disk IO calls that raised or moved fewer bytes than asked."""
+    bytes_stored_partially: int = 0
+    """Bytes of keys published by stores that then failed or were cancelled (chunks that landed stay stored)."""
+    latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict)
+    """Per ``(kind, outcome, phase)``: kind ``store`` or ``load``; outcome ``done``, ``failed`` or
+    ``cancelled``; phase ``queue`` (from the call until a worker took the transfer: GPU transfers
+    through host memory are on their streams by then), ``copy`` (from then to the end), ``total``."""
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BOUNDS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def snapshot(self) -> LatencyHistogram:
+        return LatencyHistogram(LATENCY_BOUNDS, tuple(self.counts), self.sum, self.count)
 
 
 class TransferCounters:
-    """Transfers started and ended, by outcome; thread-safe."""
-
+    """Transfers started and ended (by outcome, with latencies), and lookups; thread-safe."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.in_flight = self.stores = self.loads = self.failed = self.cancelled = 0
-        self.bytes_stored = self.bytes_loaded = 0
+        self.bytes_stored = self.bytes_loaded = self.bytes_stored_partially = 0
+        self.lookups = self.lookup_hits = 0
+        self.keys_loaded_from_host = self.keys_loaded_from_disk = 0
+        self._latency: dict[tuple[str, str, str], _Histogram] = {}
 
     def started(self) -> None:
         with self.lock:
             self.in_flight += 1
 
-    def ended(self, t: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        """Count a transfer's end; runs before the transfer is finished (``WorkerLoop.start_transfer``'s
-        ``on_end``), so a waiter that wakes already sees it counted."""
+    def looked_up(self, hits: int) -> None:
+        with self.lock:
+            self.lookups += 1
+            self.lookup_hits += hits
+
+    def ended(
+        self, kind: Literal["store", "load"], result: TransferResult | None, failed: bool, cancelled: bool, *,
+        started: float, taken: float | None, now: float, partial_bytes: int = 0, from_disk: int = 0,
+    ) -> None:
+        """Count a transfer's end. Runs before the transfer is finished, so a waiter that wakes
+        already sees it counted. ``taken``: when a worker took it (None: it never started)."""
+        outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
+        taken = started if taken is None else taken
         with self.lock:
             self.in_flight -= 1
-            if cancelled:
+            if outcome == "cancelled":
                 self.cancelled += 1
-            elif exc is not None or result is None:
+            elif outcome == "failed":
                 self.failed += 1
-            elif result.kind == "store":
+            elif result is not None and kind == "store":
                 self.stores += 1
                 self.bytes_stored += result.nbytes
-            else:
+            elif result is not None:
                 self.loads += 1
                 self.bytes_loaded += result.nbytes
+                self.keys_loaded_from_disk += from_disk
+                self.keys_loaded_from_host += len(result.keys) - from_disk
+            self.bytes_stored_partially += partial_bytes
+            for phase, seconds in (("queue", taken - started), ("copy", now - taken), ("total", now - started)):
+                h = self._latency.get((kind, outcome, phase))
+                if h is None:
+                    h = self._latency[(kind, outcome, phase)] = _Histogram()
+                h.observe(max(seconds, 0.0))
+
+    def latency(self) -> dict[tuple[str, str, str], LatencyHistogram]:
+        """Snapshots of every histogram observed so far; call with :attr:`lock` held."""
+        return {k: h.snapshot() for k, h in self._latency.items()}

@@ -21,7 +21,7 @@ from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, QuickJob
 from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
-from ..worker_loop import EndHook
+from ..stats import TransferCounters
 from ..cross_thread import resolve_from_any_thread
 from .disk import DiskTier
 from .host import HostTier, chunked
@@ -35,11 +35,18 @@ class StorePlan:
     Implements :class:`JobSteps`: the worker calls :meth:`landed`, :meth:`result` and :meth:`cleanup`.
     """
 
-    __slots__ = ("index", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "published", "finished")
+    __slots__ = (
+        "index", "metrics", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "taken", "published", "finished",
+    )
     reports_landings = True
 
-    def __init__(self, index: BlockIndex, reservation: Reservation, block_ids: list[int], block_bytes: int, chunk_blocks: int) -> None:
+    def __init__(
+        self, index: BlockIndex, metrics: TransferCounters, reservation: Reservation, block_ids: list[int], block_bytes: int,
+        chunk_blocks: int,
+    ) -> None:
         self.index = index
+        self.metrics = metrics
+        self.taken: float | None = None
         self.reservation = reservation
         self.block_ids = block_ids
         self.block_bytes = block_bytes
@@ -61,6 +68,14 @@ class StorePlan:
         keys = tuple(e.key for e in self.reservation.entries)
         return TransferResult("store", keys, tuple(self.reservation.skipped), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
+    def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+        """Count the store's end (keys it published before failing or being cancelled included)."""
+        partial = 0 if result is not None else self.published * self.block_bytes
+        self.metrics.ended(
+            "store", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
+            partial_bytes=partial,
+        )
+
     def cleanup(self) -> None:
         """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries.
         Its copies have completed (the workers wait for them before cleaning up)."""
@@ -75,11 +90,13 @@ class StorePlan:
 class LoadPlan:
     """A load's pinned copies and destination blocks; unpins them when it ends. Implements :class:`JobSteps`."""
 
-    __slots__ = ("index", "pins", "block_ids", "block_bytes", "started", "released")
+    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released")
     reports_landings = False
 
-    def __init__(self, index: BlockIndex, pins: list[Pin], block_ids: list[int], block_bytes: int) -> None:
+    def __init__(self, index: BlockIndex, metrics: TransferCounters, pins: list[Pin], block_ids: list[int], block_bytes: int) -> None:
         self.index = index
+        self.metrics = metrics
+        self.taken: float | None = None
         self.pins = pins
         self.block_ids = block_ids
         self.block_bytes = block_bytes
@@ -92,6 +109,14 @@ class LoadPlan:
     def result(self) -> TransferResult:
         keys = tuple(p.entry.key for p in self.pins)
         return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
+
+    def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+        """Count the load's end, with how many of its keys came from disk."""
+        from_disk = sum(1 for p in self.pins if p.tier == DISK) if result is not None else 0
+        self.metrics.ended(
+            "load", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
+            from_disk=from_disk,
+        )
 
     def cleanup(self) -> None:
         """Release the load's pins (idempotent); its copies have completed."""
@@ -118,6 +143,7 @@ class TieredStorage:
         disk_path: str | None,
         disk_blocks: int,
         workers: CopyWorkers,
+        metrics: TransferCounters,
         *,
         chunk_blocks: int,
         io_threads: int,
@@ -125,6 +151,7 @@ class TieredStorage:
     ) -> None:
         self.layout = layout
         self.workers = workers
+        self.metrics = metrics
         self.chunk_blocks = chunk_blocks
         self.index = BlockIndex(host_blocks, disk_blocks)
         self.host: HostTier | None = None
@@ -144,7 +171,7 @@ class TieredStorage:
 
     def _start(
         self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, requests: list[CopyRequest] | None,
-        after: Any, on_end: EndHook, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
+        after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
     ) -> None:
         """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
         and can be enqueued now (GPU) or made in one step (one chunk), else ``run(after)`` as a task."""
@@ -152,32 +179,33 @@ class TieredStorage:
             try:
                 after = worker.copier.caller_event()
             except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
-                worker.start_quick(QuickJob(transfer, plan, on_end, enqueued=Enqueued([], e)))
+                worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=Enqueued([], e)))
                 return
         if requests is not None and self.layout.is_cuda:
-            worker.start_quick(QuickJob(transfer, plan, on_end, enqueued=worker.enqueue(requests, after)))
+            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=worker.enqueue(requests, after)))
         elif requests is not None and len(requests) == 1:
-            worker.start_quick(QuickJob(transfer, plan, on_end, requests=requests))
+            worker.start_quick(QuickJob(transfer, plan, plan.ended, requests=requests))
         else:
-            worker.start_task(transfer, lambda: run(after), plan.cleanup, on_end)
+            worker.start_task(transfer, lambda: run(after), plan.cleanup, plan.ended)
 
     # -- store ------------------------------------------------------------------------
 
     def plan_store(self, blocks: dict[Hashable, int]) -> StorePlan:
         """Reserve slots for the keys not yet present (may raise CapacityError)."""
         r = self.index.reserve(blocks)
-        return StorePlan(self.index, r, [blocks[e.key] for e in r.entries], self.layout.block_bytes, self.chunk_blocks)
+        return StorePlan(self.index, self.metrics, r, [blocks[e.key] for e in r.entries], self.layout.block_bytes, self.chunk_blocks)
 
-    def start_store(self, transfer: Transfer, plan: StorePlan, after: Any, on_end: EndHook) -> None:
+    def start_store(self, transfer: Transfer, plan: StorePlan, after: Any) -> None:
         """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
         requests = None
         if self.index.store_tier == HOST and not plan.reservation.spills:
             assert self.host is not None
             requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
-        self._start(self.workers.store, transfer, plan, requests, after, on_end, functools.partial(self._run_store, plan))
+        self._start(self.workers.store, transfer, plan, requests, after, functools.partial(self._run_store, plan))
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
+        plan.taken = time.perf_counter()
         if after is not None:
             self.workers.store.copier.wait_for(after)
         if plan.reservation.spills:
@@ -217,18 +245,19 @@ class TieredStorage:
     def plan_load(self, blocks: dict[Hashable, int]) -> LoadPlan:
         """Pin the current copy of every key (may raise MissingKeysError)."""
         keys = list(blocks)
-        return LoadPlan(self.index, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
+        return LoadPlan(self.index, self.metrics, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
 
-    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, on_end: EndHook) -> None:
+    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any) -> None:
         """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed)."""
         requests = None
         if all(p.tier == HOST for p in plan.pins):
             assert self.host is not None
             requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
-        self._start(self.workers.load, transfer, plan, requests, after, on_end, functools.partial(self._run_load, plan))
+        self._start(self.workers.load, transfer, plan, requests, after, functools.partial(self._run_load, plan))
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
+        plan.taken = time.perf_counter()
         if after is not None:
             self.workers.load.copier.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]

@@ -1,0 +1,139 @@
+"""What stats() tells an operator, and the Prometheus collector that exports it.
+
+Each figure is driven by transfers whose effect is known (keys per tier, evictions, IO errors,
+cancellations after some chunks landed) and checked exactly.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+import kvoffload
+from conftest import random_caches
+
+
+@pytest.mark.asyncio
+async def test_lookups_and_hits_are_counted():
+    async with kvoffload.Offloader(random_caches(8, seed=50), host_blocks=8) as off:
+        await off.store({"a": 0, "b": 1, "c": 2})
+        assert off.lookup(["a", "b", "x", "c"]) == 2
+        assert off.lookup(["x"]) == 0
+        assert off.lookup(iter(["a", "b", "c"])) == 3
+        s = off.stats()
+        assert (s.lookups, s.lookup_hits) == (3, 5)
+
+
+@pytest.mark.asyncio
+async def test_loads_per_source_tier_evictions_per_tier_and_disk_bytes(tmp_path):
+    caches = random_caches(16, seed=51)
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    async with kvoffload.Offloader(caches, host_blocks=2, disk_path=tmp_path / "kv", disk_blocks=2) as off:
+        for i in range(4):
+            await off.store({i: i})  # the two oldest spill to disk
+        s = off.stats()
+        assert (s.spilled, s.disk_ready, s.host_ready) == (2, 2, 2) and s.disk_bytes_written == 2 * slot
+        await off.load({i: 8 + i for i in range(4)})
+        s = off.stats()
+        assert (s.keys_loaded_from_host, s.keys_loaded_from_disk) == (2, 2) and s.disk_bytes_read == 2 * slot
+        for i in range(4, 7):
+            await off.store({i: i})  # host full and disk full: the disk's oldest go, then host entries spill
+        s = off.stats()
+        assert s.evicted == s.evicted_host + s.evicted_disk and s.evicted_disk > 0, s
+    async with kvoffload.Offloader(caches, host_blocks=2) as off:  # no disk: host entries are evicted
+        for i in range(3):
+            await off.store({i: i})
+        assert (off.stats().evicted_host, off.stats().evicted_disk) == (1, 0)
+
+
+@pytest.mark.asyncio
+async def test_disk_io_errors_are_counted(tmp_path, faults):
+    caches = random_caches(8, seed=52)
+    async with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "kv", disk_blocks=8) as off:
+        faults.fail(off, "pwritev", OSError(errno.EIO, "Input/output error"))
+        with pytest.raises(kvoffload.TransferError):
+            await off.store({"a": 0})
+        faults.restore()
+        await off.store({"b": 1})
+        s = off.stats()
+        assert s.disk_io_errors >= 1 and s.failed == 1 and s.disk_bytes_written > 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_store_counts_the_bytes_it_left_stored(faults):
+    caches = random_caches(32, seed=53)
+    block = kvoffload.BlockLayout.of(caches).block_bytes
+    async with kvoffload.Offloader(caches, host_blocks=16, chunk_bytes=kvoffload.BlockLayout.of(caches).slot_bytes) as off:
+        gate = faults.gate(off, "to_host")
+        t = off.store({i: i for i in range(8)})
+        gate.allow(3)
+        await gate.entered_async(count=4)
+        t.cancel()
+        gate.open()
+        with pytest.raises(kvoffload.TransferCancelled):
+            await t
+        visible = off.lookup(range(8))
+        s = off.stats()
+        assert visible >= 3 and s.bytes_stored_partially == visible * block and s.bytes_stored == 0, s
+
+
+@pytest.mark.asyncio
+async def test_latency_histograms_per_kind_outcome_and_phase(faults):
+    async with kvoffload.Offloader(random_caches(16, seed=54), host_blocks=16) as off:
+        for i in range(5):
+            await off.store({i: i})
+        await off.load({0: 10, 1: 11})
+        gate = faults.gate(off, "to_host")
+        t = off.store({"x": 5})
+        await gate.entered_async()
+        t.cancel()
+        gate.open()
+        with pytest.raises(kvoffload.TransferCancelled):
+            await t
+        lat = off.stats().latency
+        assert {k: h.count for k, h in lat.items() if k[2] == "total"} == {
+            ("store", "done", "total"): 5, ("load", "done", "total"): 1, ("store", "cancelled", "total"): 1,
+        }
+        for kind, outcome in [("store", "done"), ("load", "done"), ("store", "cancelled")]:
+            q, c, total = (lat[(kind, outcome, p)] for p in ("queue", "copy", "total"))
+            assert q.count == c.count == total.count and sum(total.counts) == total.count
+            assert q.sum + c.sum == pytest.approx(total.sum, rel=1e-6, abs=1e-9)  # the phases add up
+            assert 0 < total.quantile(0.5) <= total.quantile(1.0) and total.sum > 0
+
+
+def test_prometheus_collector_exposes_the_documented_names():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvoffload.prometheus import OffloaderCollector
+
+    with kvoffload.Offloader(random_caches(8, seed=55), host_blocks=4) as off:
+        off.store({"a": 0, "b": 1}).result()
+        off.load({"a": 5}).result()
+        off.lookup(["a", "b", "c"])
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(OffloaderCollector(off, name="gpu0"))
+        get = registry.get_sample_value
+        labels = {"offloader": "gpu0"}
+        assert get("kvoffload_transfers_total", {**labels, "kind": "store", "outcome": "done"}) == 1
+        assert get("kvoffload_transfers_total", {**labels, "kind": "load", "outcome": "done"}) == 1
+        assert get("kvoffload_transfer_seconds_count", {**labels, "kind": "load", "outcome": "done", "phase": "total"}) == 1
+        assert get("kvoffload_transfer_seconds_bucket", {**labels, "kind": "load", "outcome": "done", "phase": "total", "le": "+Inf"}) == 1
+        assert get("kvoffload_lookups_total", labels) == 1 and get("kvoffload_lookup_hit_keys_total", labels) == 2
+        assert get("kvoffload_loaded_keys_total", {**labels, "tier": "host"}) == 1
+        assert get("kvoffload_stored_bytes_total", labels) == 2 * off.layout.block_bytes
+        assert get("kvoffload_ready_keys", {**labels, "tier": "host"}) == 2
+        assert get("kvoffload_free_slots", {**labels, "tier": "host"}) == 2
+        assert get("kvoffload_transfers_in_flight", labels) == 0
+        text = prometheus_client.generate_latest(registry).decode()
+    documented = _documented_metric_names()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    exported = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum").removesuffix("_created") for n in exported}
+    assert exported == documented, f"exported but not documented: {exported - documented}; documented only: {documented - exported}"
+
+
+def _documented_metric_names() -> set[str]:
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### Prometheus", 1)[1].split("\n## ", 1)[0]
+    return {row.split("`")[1] for row in section.splitlines() if row.startswith("| `kvoffload_")}
