@@ -259,7 +259,7 @@ async def test_a_cancel_scope_cancels_the_transfer_without_spinning(anyio_backen
         await wait_in_scope()
         assert time.monotonic() - t0 >= hold_s * 0.9, "the scope ended while the copy was still held"
         assert t.cancelled() and "a" not in off and gate.in_flight == 0
-        assert cpu[0] < 0.1, f"the waiting thread used {cpu[0] * 1e3:.0f} ms of CPU in {hold_s * 1e3:.0f} ms: it spun"
+        assert cpu[0] < 0.005, f"the waiting thread used {cpu[0] * 1e3:.0f} ms of CPU in {hold_s * 1e3:.0f} ms: it spun"
 
 
 @pytest.mark.anyio
