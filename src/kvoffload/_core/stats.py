@@ -20,8 +20,8 @@ class LatencyHistogram:
     """Latencies in buckets: ``counts[i]`` observations fell in ``(bounds[i-1], bounds[i]]``, the
     last count above ``bounds[-1]``."""
 
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
+    bounds: tuple[float, ...] = field(repr=False)
+    counts: tuple[int, ...] = field(repr=False)
     sum: float
     """Seconds, all observations together."""
     count: int
@@ -86,7 +86,7 @@ class OffloaderStats:
     """Disk IO calls that raised or moved fewer bytes than asked."""
     bytes_stored_partially: int = 0
     """Bytes of keys published by stores that then failed or were cancelled (chunks that landed stay stored)."""
-    latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict)
+    latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict, repr=False)
     """Per ``(kind, outcome, phase)``: kind ``store`` or ``load``; outcome ``done``, ``failed`` or
     ``cancelled``; phase ``queue`` (from the call until a worker took the transfer: GPU transfers
     through host memory are on their streams by then), ``copy`` (from then to the end), ``total``."""
