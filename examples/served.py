@@ -115,13 +115,14 @@ async def stats(request: Request) -> Response:
     return JSONResponse({**counters, "latency": latency, "abandoned": service.abandoned})
 
 
-def make_app(num_blocks: int = 256, host_blocks: int = 1024, **offloader_options: Any) -> Starlette:
-    """The ASGI app; its offloader starts and closes with the server (``app.state.service``)."""
+def make_app(num_blocks: int = 256, host_blocks: int = 1024, device: str | None = None, **offloader_options: Any) -> Starlette:
+    """The ASGI app; its offloader starts and closes with the server (``app.state.service``).
+    ``device``: where the KV cache lives (default: the GPU if there is one)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        caches = {f"layer.{i}": torch.zeros(num_blocks, 2, BLOCK_TOKENS, 4, 64, device=device) for i in range(4)}
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        caches = {f"layer.{i}": torch.zeros(num_blocks, 2, BLOCK_TOKENS, 4, 64, device=dev) for i in range(4)}
         async with kvoffload.Offloader(caches, host_blocks=host_blocks, **offloader_options) as off:
             app.state.service = PrefixCacheService(off, caches)
             yield

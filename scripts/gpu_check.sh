@@ -2,14 +2,17 @@
 # Run on the GPU machine: the whole test suite (GPU tests included), the demo
 # on a 2 GiB cache, and the benchmark. Results land in $OUT (or ./out).
 # TESTS_ONLY=1 skips demo and bench; PYTEST_ARGS picks tests.
-# Needs the pytest-asyncio wheel in .whl/ when the machine lacks it.
+# Installs the wheels found in .whl/ (the machine reaches no package index).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-if ! python3 -c "import pytest_asyncio" 2>/dev/null; then
-  site=$(mktemp -d) && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl && export PYTHONPATH=$PYTHONPATH:$site
+# Wheels the machine lacks (pytest-asyncio, trio, the vLLM test dependencies, ...) and vLLM's
+# Python files as a zip (imported from the zip: its compiled parts are not needed here).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d) && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PYTHONPATH
 fi
+[ -f .whl/vllm_py.zip ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/vllm_py.zip
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/machine.txt"
 rc=0

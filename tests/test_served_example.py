@@ -35,7 +35,9 @@ def load_example():
 @pytest.fixture
 def server():
     """The example app on a real server in a thread of its own; yields (base url, service)."""
-    app = load_example().make_app(num_blocks=64, host_blocks=256)
+    # CPU tensors: the test holds loads with a gate on the worker's copy; a GPU load's copies are
+    # enqueued in the caller's thread (here, the server's), which the gate would hold instead.
+    app = load_example().make_app(num_blocks=64, host_blocks=256, device="cpu")
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=srv.run, name="uvicorn")
     thread.start()

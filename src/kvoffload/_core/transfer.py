@@ -157,6 +157,15 @@ class Transfer:
                 return
         self._dispatch(cb)
 
+    def _on_end(self, fn: Callable[[Transfer], Any]) -> None:
+        """Call ``fn(transfer)`` where the transfer ends (now, if it has), whatever loop runs here:
+        for the library's own bookkeeping, which must not depend on a caller's loop."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._callbacks.append((fn, None, None))
+                return
+        _call_quietly(fn, self)
+
     def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
         """Remove every registration of ``fn``; returns how many there were."""
         with self._lock:

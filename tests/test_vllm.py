@@ -1,0 +1,251 @@
+"""kvoffload.vllm against vLLM 0.33's own classes (``pip install --no-deps vllm==0.33.0``).
+
+The spec is built by vLLM's ``OffloadingSpecFactory`` from ``spec_module_path``, as the
+``OffloadingConnector`` builds it; the tests then call the manager and the worker in the
+scheduler's order (new request, lookup, prepare_store, submit_store, get_finished,
+complete_store, prepare_load, submit_load, wait, complete_load, eviction, request finished) and
+check every loaded block byte for byte, on the host tier and on host + disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed: pip install --no-deps vllm==0.33.0")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+import kvoffload  # noqa: E402
+from kvoffload._testing import copy_calls  # noqa: E402
+
+NUM_BLOCKS = 64
+PAGE = 3 * 1024  # bytes per GPU block per layer tensor: not a multiple of 4096 on purpose
+BPC = 2  # GPU blocks per offloaded chunk (one key)
+
+
+def offloading_config(extra: dict, groups: int = 1, rank: int = 0) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"l{g}",), group_id=g) for g in range(groups)),
+        worker_kv_bytes_per_block=2 * PAGE,
+        enable_kv_cache_events=False,
+        extra_config={"spec_name": "KvoffloadSpec", "spec_module_path": "kvoffload.vllm", **extra},
+        engine_id="test",
+        model=OffloadingModelConfig(name="tiny", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+            data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def canonical_caches(device: str = "cpu", seed: int = 0) -> CanonicalKVCaches:
+    g = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(torch.randint(-128, 127, (NUM_BLOCKS, PAGE), generator=g, dtype=torch.int8).to(device), PAGE)
+        for _ in range(2)
+    ]
+    return CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]])
+
+
+def keys(name: str, n: int) -> list:
+    return [make_offload_key(hashlib.sha256(f"{name}{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def gpu_spec(block_ids: list[int], first_index: int = 0) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(block_ids, group_sizes=[len(block_ids)], block_indices=[first_index])
+
+
+def run_job(worker, submit, job_id: int, *args) -> None:
+    assert submit(job_id, *args) is True
+    worker.wait({job_id})
+    done = worker.get_finished()
+    assert [(r.job_id, r.success) for r in done] == [(job_id, True)], done
+
+
+def snapshot(caches: CanonicalKVCaches) -> list[torch.Tensor]:
+    return [t.tensor.clone() for t in caches.tensors]
+
+
+def assert_blocks(caches, before, dst: list[int], src: list[int]) -> None:
+    for t, b in zip(caches.tensors, before):
+        assert torch.equal(t.tensor[dst].cpu(), b[src].cpu())
+
+
+@pytest.fixture(params=["host", "host+disk"])
+def spec_and_worker(request, tmp_path):
+    extra = {"host_blocks": 16} if request.param == "host" else {
+        "host_blocks": 8, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    caches = canonical_caches(seed=1)
+    worker = spec.get_worker(caches)
+    yield spec, worker, caches, request.param, tmp_path
+    worker.shutdown()
+
+
+def test_scheduler_call_order_round_trips_byte_for_byte(spec_and_worker):
+    spec, worker, caches, tiers, tmp_path = spec_and_worker
+    assert isinstance(spec, __import__("kvoffload.vllm").vllm.KvoffloadSpec)
+    manager = spec.get_manager()
+    orig = snapshot(caches)
+    if tiers == "host+disk":
+        assert os.path.exists(tmp_path / "kv.rank_0"), "rank 0 keeps its own disk file"
+    ctx = ReqContext(req_id="r1")
+    manager.on_new_request(ctx)
+    ks = keys("a", 4)  # 4 chunks = 8 GPU blocks
+    assert [manager.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 4
+    out = manager.prepare_store(ks, ctx)
+    assert out.keys_to_store == ks and out.evicted_keys == []
+    assert manager.lookup(ks[0], ctx) == LookupResult.HIT_PENDING
+    src = [3, 9, 10, 11, 20, 2, 40, 41]
+    run_job(worker, worker.submit_store, 1, gpu_spec(src), out.store_spec)
+    manager.complete_store(ks, ctx)
+    assert [manager.lookup(k, ctx) for k in ks] == [LookupResult.HIT] * 4
+    manager.on_request_finished(ctx)
+
+    ctx2 = ReqContext(req_id="r2")
+    manager.on_new_request(ctx2)
+    for t in caches.tensors:
+        t.tensor[50:64] = 0
+    load = manager.prepare_load(ks[:3], ctx2)
+    run_job(worker, worker.submit_load, 2, load, gpu_spec([50, 51, 52, 53, 54, 55]))
+    manager.complete_load(ks[:3], ctx2)
+    assert_blocks(caches, orig, [50, 51, 52, 53, 54, 55], src[:6])
+    # A load that starts in the middle of a chunk (block index 1): the chunk's first block is skipped.
+    load = manager.prepare_load(ks[:3], ctx2)
+    run_job(worker, worker.submit_load, 3, load, gpu_spec([60, 61, 62, 63, 56], first_index=1))
+    manager.complete_load(ks[:3], ctx2)
+    assert_blocks(caches, orig, [60, 61, 62, 63, 56], src[1:6])
+    s = worker.offloader.stats()
+    assert (s.in_flight, s.pinned, s.pending, s.evicted) == (0, 0, 0, 0), s
+
+
+def test_the_managers_evictions_reach_the_worker_and_pins_hold(spec_and_worker):
+    spec, worker, caches, tiers, _ = spec_and_worker
+    manager = spec.get_manager()
+    assert manager.capacity == 8  # (host + disk blocks) / blocks per chunk
+    orig = snapshot(caches)
+    ctx = ReqContext(req_id="r")
+    manager.on_new_request(ctx)
+    first = keys("first", 8)
+    out = manager.prepare_store(first, ctx)
+    run_job(worker, worker.submit_store, 1, gpu_spec(list(range(16))), out.store_spec)
+    manager.complete_store(first, ctx)
+    manager.touch(first[:2], ctx)  # now the most recently used
+    pinned = manager.prepare_load(first[2:3], ctx)  # a load in preparation: never evicted
+    more = keys("more", 5)
+    out = manager.prepare_store(more, ctx)
+    assert out.evicted_keys == first[3:8], "least recently used, unpinned chunks go first"
+    run_job(worker, worker.submit_store, 2, gpu_spec(list(range(16, 26))), out.store_spec)
+    manager.complete_store(more, ctx)
+    for k in first[3:8]:
+        assert (k, 0) not in worker.offloader and (k, 1) not in worker.offloader
+    assert worker.offloader.stats().evicted == 0, "kvoffload evicted on its own, behind the manager"
+    # every chunk still stored loads its own bytes, the pinned one included
+    for t in caches.tensors:
+        t.tensor[40:] = 0
+    run_job(worker, worker.submit_load, 3, pinned, gpu_spec([40, 41]))
+    manager.complete_load(first[2:3], ctx)
+    assert_blocks(caches, orig, [40, 41], [4, 5])
+    load = manager.prepare_load(more + first[:2], ctx)
+    run_job(worker, worker.submit_load, 4, load, gpu_spec(list(range(44, 58))))
+    assert_blocks(caches, orig, list(range(44, 58)), list(range(16, 26)) + [0, 1, 2, 3])
+    # With every chunk pinned, or being stored, nothing can be stored: None, nothing evicted.
+    assert manager.prepare_store(keys("none", 1), ctx) is not None  # first[2] is unpinned again
+    assert manager.prepare_store(keys("none2", 1), ctx) is None
+    manager.complete_load(more + first[:2], ctx)
+
+
+def test_a_failed_transfer_is_reported_as_failed(spec_and_worker):
+    spec, worker, caches, _, _ = spec_and_worker
+    manager = spec.get_manager()
+    ctx = ReqContext(req_id="r")
+    ks = keys("f", 2)
+    out = manager.prepare_store(ks, ctx)
+    calls = copy_calls(worker.offloader)
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    calls.to_host = broken
+    assert worker.submit_store(7, gpu_spec([1, 2, 3, 4]), out.store_spec) is True
+    worker.wait({7})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(7, False)]
+    manager.complete_store(ks, ctx, success=False)
+    assert [manager.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 2
+    assert all((k, 0) not in worker.offloader for k in ks)
+
+
+def test_hybrid_models_and_missing_sizes_are_refused():
+    with pytest.raises(ValueError, match="one KV cache group"):
+        OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16}, groups=2))
+    with pytest.raises(ValueError, match="no room"):
+        OffloadingSpecFactory.create_spec(offloading_config({}))
+    with pytest.raises(ValueError, match="not both"):
+        OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16, "host_bytes": 1 << 20}))
+    spec = OffloadingSpecFactory.create_spec(offloading_config({"host_bytes": 10 * 8192}))  # slots of 8 KiB
+    assert spec.get_manager().capacity == 5
+
+
+def test_each_rank_uses_its_own_disk_file(tmp_path):
+    workers = []
+    for rank in (0, 1):
+        spec = OffloadingSpecFactory.create_spec(
+            offloading_config({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}, rank=rank))
+        workers.append(spec.get_worker(canonical_caches(seed=rank)))
+    try:
+        assert sorted(os.listdir(tmp_path)) == ["kv.rank_0", "kv.rank_1"]
+    finally:
+        for w in workers:
+            w.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_on_cuda_tensors(tmp_path):
+    spec = OffloadingSpecFactory.create_spec(
+        offloading_config({"host_blocks": 8, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}))
+    caches = canonical_caches("cuda", seed=3)
+    worker = spec.get_worker(caches)
+    try:
+        manager = spec.get_manager()
+        orig = snapshot(caches)
+        ctx = ReqContext(req_id="g")
+        ks = keys("g", 8)
+        out = manager.prepare_store(ks, ctx)
+        run_job(worker, worker.submit_store, 1, gpu_spec(list(range(16))), out.store_spec)
+        manager.complete_store(ks, ctx)
+        more = keys("g2", 4)
+        out = manager.prepare_store(more, ctx)  # evicts 4 chunks
+        run_job(worker, worker.submit_store, 2, gpu_spec(list(range(16, 24))), out.store_spec)
+        manager.complete_store(more, ctx)
+        live = manager.stored_keys()
+        load = manager.prepare_load(live, ctx)
+        dst = list(range(32, 32 + 2 * len(live)))
+        run_job(worker, worker.submit_load, 3, load, gpu_spec(dst))
+        src_of = {k: [2 * i, 2 * i + 1] for i, k in enumerate(ks)} | {k: [16 + 2 * i, 17 + 2 * i] for i, k in enumerate(more)}
+        torch.cuda.synchronize()
+        assert_blocks(caches, orig, dst, [b for k in live for b in src_of[k]])
+    finally:
+        worker.shutdown()
