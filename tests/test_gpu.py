@@ -44,6 +44,33 @@ async def test_round_trip_random_ids(completion, use_batch_copy, chunk_blocks):
             assert same_bytes(caches[n][dst], orig[n][src]), n
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ["kernel", "torch"])
+@pytest.mark.parametrize("blocks", [2, 300])  # direct descriptors; staged through the kernel or torch
+async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
+    """A (2, num_blocks, ...) K/V tensor transposed (two pieces per block, 80-byte pieces: not
+    16-byte aligned) beside every other row of a larger buffer (blocks two rows apart)."""
+    if engine == "torch":
+        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
+    g = torch.Generator().manual_seed(blocks)
+    kv = torch.randint(-2**15, 2**15, (2, 600, 4, 10), generator=g, dtype=torch.int16).cuda()
+    wide = torch.randint(-2**31, 2**31, (1200, 33), generator=g, dtype=torch.int32).cuda()
+    caches = {"kv": kv.transpose(0, 1), "rows": wide[1::2]}
+    orig = {n: t.clone() for n, t in caches.items()}
+    wide_other = wide[0::2].clone()
+    src = torch.randperm(600, generator=g).tolist()[:blocks]
+    dst = torch.randperm(600, generator=g).tolist()[:blocks]
+    async with kvoffload.Offloader(caches, host_blocks=blocks, num_blocks=600) as off:
+        await off.store({i: src[i] for i in range(blocks)})
+        for t in caches.values():
+            t.zero_()
+        await off.load({i: dst[i] for i in range(blocks)})
+        torch.cuda.synchronize()
+    for n in caches:
+        assert same_bytes(caches[n][dst], orig[n][src]), n
+    assert torch.equal(wide[0::2], wide_other), "rows outside the view were written"
+
+
 def caches_block(caches):
     return kvoffload.BlockLayout.of(caches).slot_bytes
 

@@ -7,6 +7,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 import kvoffload
 from conftest import block_bytes, random_caches, same_bytes
@@ -223,3 +224,41 @@ async def test_store_of_keys_being_stored_is_skipped(caches):
         assert r2.skipped == ("b",)
         await off.load({"b": 9})
     assert block_bytes(caches, 9) == block_bytes(caches, 2)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["kv-first transposed", "strided slice", "mixed"])
+async def test_strided_views_round_trip_without_copies(layout):
+    """Caches that are views: a (2, num_blocks, ...) K/V tensor transposed to put blocks first (two
+    pieces per block), every other row of a larger buffer (blocks 2 rows apart), and both at once."""
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randint(-2**15, 2**15, (2, 24, 4, 10), generator=g, dtype=torch.int16)  # 80 B pieces: not 16-aligned
+    wide = torch.randint(-2**31, 2**31, (48, 33), generator=g, dtype=torch.int32)
+    caches = {
+        "kv-first transposed": {"kv": kv.transpose(0, 1)},
+        "strided slice": {"rows": wide[::2]},
+        "mixed": {"kv": kv.transpose(0, 1), "rows": wide[1::2]},
+    }[layout]
+    before = {n: t.clone() for n, t in caches.items()}
+    kv_before, wide_before = kv.clone(), wide.clone()
+    async with kvoffload.Offloader(caches, host_blocks=24, num_blocks=24) as off:
+        await off.store({i: i for i in range(12)})
+        await off.load({i: 23 - i for i in range(12)})
+    for n, t in caches.items():
+        assert torch.equal(t[12:24].flip(0), before[n][0:12]), n
+        assert torch.equal(t[:12], before[n][:12]), n
+    # nothing outside the views' blocks was written
+    if "rows" in caches:
+        other = slice(1, None, 2) if layout == "strided slice" else slice(0, None, 2)
+        assert torch.equal(wide[other], wide_before[other])
+
+
+def test_layouts_that_cannot_be_copied_without_a_copy_are_refused():
+    with pytest.raises(ValueError, match="last dimension is not contiguous"):
+        kvoffload.Offloader({"x": torch.zeros(64, 8).t()})
+    with pytest.raises(ValueError, match="overlap"):
+        kvoffload.Offloader({"x": torch.zeros(1, 8).expand(16, 8)})
+    with pytest.raises(ValueError, match=r"not num_blocks=100; its blocks look like dim 1: pass t.transpose\(0, 1\)"):
+        kvoffload.Offloader({"kv": torch.zeros(2, 100, 16)}, num_blocks=100)
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        kvoffload.Offloader({"kv": torch.zeros(4, 16)}, num_blocks=0)

@@ -4,6 +4,12 @@ A *block* is one index along dim 0 across every tensor of ``kv_caches``. In host
 memory and on disk a block lives in one *slot*: the block's bytes of every tensor
 packed back to back, padded to :data:`SLOT_ALIGN` so that a slot can be the
 buffer of an O_DIRECT read or write as it is.
+
+A tensor's bytes of one block form one or more *pieces*: one when ``t[b]`` is
+contiguous (blocks may sit any stride apart: a view into a larger buffer), several
+when it is not but splits along dim 1 into contiguous parts (``t.transpose(0, 1)``
+of a ``(2, num_blocks, ...)`` tensor: a K piece and a V piece per block). The last
+dimension must be contiguous, and no two blocks may share bytes.
 """
 
 from __future__ import annotations
@@ -26,13 +32,21 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+MAX_PIECES_PER_TENSOR = 64
+"""A tensor whose blocks split into more pieces than this is refused: copies of tiny pieces crawl."""
+
+
 @dataclass(frozen=True)
 class TensorPiece:
-    """Where one tensor's bytes of a block sit inside a slot."""
+    """Where one piece of a block sits: in its tensor (``name``, then ``index`` along dims 1.. when
+    the tensor's blocks split into several pieces) and inside a slot (``offset``)."""
 
     name: str
     offset: int
     nbytes: int
+    stride: int = 0
+    """Bytes from one block's piece to the next in the tensor (``nbytes`` when blocks are packed)."""
+    index: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,22 +60,26 @@ class BlockLayout:
     device: torch.device
 
     @classmethod
-    def of(cls, kv_caches: Mapping[str, torch.Tensor]) -> BlockLayout:
+    def of(cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None = None) -> BlockLayout:
         """Validate ``kv_caches`` and describe its blocks.
 
+        ``num_blocks``, if given, is the block count every tensor must have along dim 0
+        (a tensor with blocks along another dim is refused with a hint, not misread).
         Raises ``TypeError`` for a non-mapping, non-tensor values, and tensors
         torch cannot view as bytes (quantized, sparse, nested, some dtypes);
         ``ValueError`` for an empty mapping, zero blocks, differing block counts,
-        tensors on different devices, conjugate or negative views, or tensors
-        whose blocks are not contiguous.
+        tensors on different devices, conjugate or negative views, tensors whose last
+        dimension is not contiguous or whose blocks overlap.
         """
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(kv_caches, Mapping):
             raise TypeError(f"kv_caches must be a mapping of name -> torch.Tensor, got {type(kv_caches).__name__}")
         if not kv_caches:
             raise ValueError("kv_caches is empty")
-        pieces = []
+        pieces: list[TensorPiece] = []
         offset = 0
-        num_blocks = None
+        expected = num_blocks
         device = None
         for name, t in kv_caches.items():
             if not isinstance(name, str):
@@ -73,25 +91,29 @@ class BlockLayout:
                 raise ValueError(f"kv_caches[{name!r}] has no blocks along dim 0 (shape {tuple(t.shape)})")
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"kv_caches[{name!r}] is on {t.device}; only cpu and cuda are supported")
-            if num_blocks is None:
-                num_blocks, device = t.shape[0], t.device
-            elif t.shape[0] != num_blocks:
-                raise ValueError(f"kv_caches[{name!r}] has {t.shape[0]} blocks, the first tensor has {num_blocks}")
+            if expected is not None and t.shape[0] != expected:
+                where = [d for d in range(1, t.dim()) if t.shape[d] == expected]
+                hint = f"; its blocks look like dim {where[0]}: pass t.transpose(0, {where[0]}) (no copy)" if where else ""
+                raise ValueError(f"kv_caches[{name!r}] has {t.shape[0]} along dim 0, not num_blocks={expected}{hint}")
+            if expected is None:
+                expected = t.shape[0]
+            elif t.shape[0] != expected:
+                raise ValueError(f"kv_caches[{name!r}] has {t.shape[0]} blocks, the first tensor has {expected}")
+            if device is None:
+                device = t.device
             elif t.device != device:
                 raise ValueError(f"kv_caches[{name!r}] is on {t.device}, the first tensor is on {device}")
-            if not t.is_contiguous():
-                raise ValueError(
-                    f"kv_caches[{name!r}] is not contiguous (strides {t.stride()}): each block must be one contiguous run of bytes"
-                )
-            nbytes = t.numel() // t.shape[0] * t.element_size()  # not stride(0): a size-1 dim may have any stride
-            if nbytes == 0:
+            if t.numel() == 0:
                 raise ValueError(f"kv_caches[{name!r}] has blocks of zero bytes (shape {tuple(t.shape)})")
             try:  # what block_rows does; a dtype torch cannot view as bytes fails here, not at start()
-                t.view(-1).view(torch.uint8)
-            except (RuntimeError, NotImplementedError) as e:
+                t.untyped_storage()
+                torch.empty(0, dtype=t.dtype).view(torch.uint8)
+            except (RuntimeError, NotImplementedError, TypeError) as e:
                 raise TypeError(f"kv_caches[{name!r}] ({t.dtype}) cannot be viewed as bytes: {e}") from None
-            pieces.append(TensorPiece(name, offset, nbytes))
-            offset += nbytes
+            for piece in _pieces_of(name, t):
+                pieces.append(TensorPiece(name, offset, piece.nbytes, piece.stride, piece.index))
+                offset += piece.nbytes
+        num_blocks = expected
         assert num_blocks is not None and device is not None
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -103,8 +125,76 @@ class BlockLayout:
         return self.device.type == "cuda"
 
     def block_rows(self, kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor viewed as ``uint8[num_blocks, piece_bytes]`` (no copy)."""
-        return [kv_caches[p.name].view(-1).view(torch.uint8).view(self.num_blocks, p.nbytes) for p in self.pieces]
+        """Each piece viewed as ``uint8[num_blocks, piece_bytes]``, rows ``stride`` bytes apart (no copy)."""
+        rows = []
+        for p in self.pieces:
+            t = kv_caches[p.name]
+            part = t
+            for i in p.index:
+                part = part.select(1, i)
+            start = part.storage_offset() * part.element_size()
+            view = torch.empty(0, dtype=torch.uint8, device=t.device)
+            view.set_(part.untyped_storage(), start, (self.num_blocks, p.nbytes), (p.stride, 1))
+            rows.append(view)
+        return rows
+
+
+@dataclass(frozen=True)
+class _Piece:
+    nbytes: int
+    stride: int
+    index: tuple[int, ...]
+    start: int  # byte address of block 0's piece (for the overlap check)
+
+
+def _pieces_of(name: str, t: torch.Tensor) -> list[_Piece]:
+    """Split ``t``'s blocks into contiguous pieces along dims 1.. (see the module docstring)."""
+    es = t.element_size()
+    if t.dim() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"kv_caches[{name!r}]'s last dimension is not contiguous (strides {t.stride()}): "
+            "pieces of one element would crawl; pass a tensor whose rows are contiguous"
+        )
+    out: list[_Piece] = []
+
+    def split(part: torch.Tensor, index: tuple[int, ...]) -> None:
+        if part[0].is_contiguous():
+            stride = part.stride(0) * es if part.shape[0] > 1 else part[0].numel() * es
+            out.append(_Piece(part[0].numel() * es, stride, index, part.data_ptr()))
+        elif part.dim() > 2:
+            for i in range(part.shape[1]):
+                split(part[:, i], (*index, i))
+                if len(out) > MAX_PIECES_PER_TENSOR:
+                    break
+        else:
+            raise ValueError(f"kv_caches[{name!r}]: a block's bytes are not contiguous along its last dims (strides {t.stride()})")
+
+    split(t, ())
+    if len(out) > MAX_PIECES_PER_TENSOR:
+        raise ValueError(
+            f"kv_caches[{name!r}] (strides {t.stride()}) splits into more than {MAX_PIECES_PER_TENSOR} pieces per block: "
+            "make the block dimension the outer one of a contiguous tensor"
+        )
+    n = t.shape[0]
+    if n > 1 and any(p.stride < p.nbytes for p in out):
+        raise ValueError(f"kv_caches[{name!r}]: blocks overlap or run backwards (strides {t.stride()})")
+    for i, p in enumerate(out):
+        for q in out[i + 1 :]:
+            if not _disjoint(p, q, n):
+                raise ValueError(f"kv_caches[{name!r}]: two blocks share bytes (strides {t.stride()})")
+    return out
+
+
+def _disjoint(p: _Piece, q: _Piece, n: int) -> bool:
+    """True when no block's piece ``p`` shares a byte with any block's piece ``q``."""
+    p_end = p.start + (n - 1) * p.stride + p.nbytes
+    q_end = q.start + (n - 1) * q.stride + q.nbytes
+    if p_end <= q.start or q_end <= p.start:  # separate regions (K and V halves of one buffer, say)
+        return True
+    if p.stride != q.stride or p.stride == 0:
+        return False
+    d = (q.start - p.start) % p.stride  # interleaved with one stride: q must sit in p's gap
+    return p.nbytes <= d <= p.stride - q.nbytes
 
 
 def _check_plain_memory(name: str, t: torch.Tensor) -> None:

@@ -41,6 +41,11 @@ class Offloader:
     ``kv_caches`` maps names to tensors whose dim 0 indexes blocks; all have the
     same number of blocks and live on one device (``cuda`` or ``cpu``). A block's
     bytes across all tensors go into one slot of ``host_blocks`` host slots.
+    Tensors may be strided views, without a copy: blocks any stride apart, or blocks
+    split along dim 1 into contiguous pieces (``t.transpose(0, 1)`` of a
+    ``(2, num_blocks, ...)`` K/V tensor); the last dimension must be contiguous.
+    ``num_blocks``, if given, is checked against dim 0 of every tensor, with a hint
+    when the blocks sit along another dimension.
 
     Use it as ``async with`` / ``with`` context manager, or call :meth:`start`
     and :meth:`close`. ``store`` and ``load`` validate their arguments at once
@@ -64,6 +69,7 @@ class Offloader:
         kv_caches: Mapping[str, torch.Tensor],
         *,
         host_blocks: int = 4096,
+        num_blocks: int | None = None,
         disk_path: str | os.PathLike[str] | None = None,
         disk_blocks: int = 0,
         chunk_bytes: int = 128 << 20,
@@ -73,7 +79,7 @@ class Offloader:
         io_threads: int = 4,
         use_page_cache: bool = False,
     ) -> None:
-        self._layout = BlockLayout.of(kv_caches)
+        self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
         self._caches = dict(kv_caches)
         self._options = Options(

@@ -85,9 +85,11 @@ class CudaBlockCopier:
         self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
         self._piece_bytes = np.array([p.nbytes for p in self._pieces], dtype=np.uint64)
         self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
-        self._piece_ints = [(r.data_ptr(), p.nbytes, p.offset) for r, p in zip(self._rows, self._pieces)]
+        self._piece_strides = np.array([p.stride for p in self._pieces], dtype=np.uint64)
+        self._piece_ints = [(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(self._rows, self._pieces)]
         self._tables = torch.tensor(
-            np.stack([self._bases, self._piece_bytes, self._piece_offsets]).astype(np.int64), device=layout.device
+            np.stack([self._bases, self._piece_bytes, self._piece_offsets, self._piece_strides]).astype(np.int64),
+            device=layout.device,
         )
 
     def caller_event(self) -> DriverEvent:
@@ -120,8 +122,8 @@ class CudaBlockCopier:
             sizes: list[int] = []
             for b, r in zip(block_ids, rows):
                 h = hbase + r * slot
-                for base, nbytes, offset in self._piece_ints:
-                    caddrs.append(base + b * nbytes)
+                for base, stride, offset, nbytes in self._piece_ints:
+                    caddrs.append(base + b * stride)
                     haddrs.append(h + offset)
                     sizes.append(nbytes)
             if to_host:
@@ -131,7 +133,7 @@ class CudaBlockCopier:
             return
         ids = np.asarray(block_ids, dtype=np.uint64)
         hr = np.asarray(rows, dtype=np.uint64)
-        cache_addrs = (self._bases[:, None] + ids[None, :] * self._piece_bytes[:, None]).ravel()
+        cache_addrs = (self._bases[:, None] + ids[None, :] * self._piece_strides[:, None]).ravel()
         host_addrs = (host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]).ravel()
         piece_sizes = np.repeat(self._piece_bytes, len(ids))
         if to_host:

@@ -37,12 +37,13 @@ extern "C" __global__ void move_pieces(
     const unsigned long long* __restrict__ bases,    // per tensor: address of block 0 in the cache
     const unsigned long long* __restrict__ sizes,    // per tensor: bytes per block
     const unsigned long long* __restrict__ offsets,  // per tensor: offset of its piece in a slot
+    const unsigned long long* __restrict__ strides,  // per tensor: bytes from one block's piece to the next
     int tensors, unsigned long long staging, unsigned long long slot_bytes, int gather, Blocks blocks)
 {
     for (int piece = blockIdx.x; piece < blocks.n * tensors; piece += gridDim.x) {
     int i = piece / tensors, t = piece - i * tensors;
     unsigned long long len = sizes[t];
-    unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * len;
+    unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * strides[t];
     unsigned long long slot = staging + (unsigned long long)(blocks.first + i) * slot_bytes + offsets[t];
     unsigned long long src = gather ? cache : slot, dst = gather ? slot : cache;
     if (((src | dst | len) & 15ull) == 0) {
@@ -89,15 +90,15 @@ class PieceKernel:
     ) -> None:
         """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
 
-        ``tables`` is a CUDA ``uint64[3, tensors]`` tensor: base addresses, bytes per block,
-        offsets in a slot. ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving
+        ``tables`` is a CUDA ``uint64[4, pieces]`` tensor: base addresses, bytes per block,
+        offsets in a slot, bytes between blocks. ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving
         SMs to other kernels at some cost in speed.
         """
         base = tables.data_ptr()
         row = 8 * tables.shape[1]
         args: list[Any] = [
             ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
-            ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
+            ctypes.c_uint64(base + 3 * row), ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
             _Blocks(),
         ]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
