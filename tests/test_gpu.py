@@ -71,6 +71,35 @@ async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     assert torch.equal(wide[0::2], wide_other), "rows outside the view were written"
 
 
+@pytest.mark.asyncio
+async def test_per_tensor_load_hands_over_layer_by_layer():
+    """32 layers, 0.5 GiB in all, loaded tensor by tensor: wait_tensor returns with its layer in place,
+    stream_wait orders a kernel on another stream after that layer's copy (the host never waits),
+    and every layer lands byte for byte. (How early layer 0 lands is the bench's business.)"""
+    layers, blocks = 32, 256
+    caches = {f"layer.{i}": torch.randn(blocks, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for i in range(layers)}
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=blocks) as off:
+        await off.store({i: i for i in range(blocks)})
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        load = off.load({i: blocks - 1 - i for i in range(blocks)}, per_tensor=True)
+        side = torch.cuda.Stream()
+        load.stream_wait("layer.0", side)  # the host does not wait
+        with torch.cuda.stream(side):
+            first_sum = caches["layer.0"].float().sum()  # runs once layer 0 landed
+        await load.wait_tensor("layer.0")
+        assert load.tensor_done("layer.0")
+        assert torch.equal(caches["layer.0"].flip(0), orig["layer.0"]), "wait_tensor returned before its layer landed"
+        await load
+        torch.cuda.synchronize()
+        assert torch.equal(first_sum, orig["layer.0"].float().sum())
+        for n in caches:
+            assert torch.equal(caches[n].flip(0), orig[n]), n
+        await load.wait_tensor("layer.31")  # after the end: at once
+
+
 def caches_block(caches):
     return kvoffload.BlockLayout.of(caches).slot_bytes
 

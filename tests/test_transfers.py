@@ -262,3 +262,23 @@ def test_layouts_that_cannot_be_copied_without_a_copy_are_refused():
         kvoffload.Offloader({"kv": torch.zeros(2, 100, 16)}, num_blocks=100)
     with pytest.raises(ValueError, match="num_blocks must be a positive int"):
         kvoffload.Offloader({"kv": torch.zeros(4, 16)}, num_blocks=0)
+
+
+@pytest.mark.asyncio
+async def test_per_tensor_waits_on_cpu_caches_end_with_the_load():
+    """Without per-tensor copies (CPU caches), every tensor is ready when the whole load is; names
+    are checked; stream_wait needs a GPU per-tensor load."""
+    caches = random_caches(16, seed=61)
+    orig = snapshot(caches)
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        await off.store({i: i for i in range(4)})
+        t = off.load({i: 8 + i for i in range(4)}, per_tensor=True)
+        for name in caches:
+            await t.wait_tensor(name)
+            assert t.tensor_done(name) and t.done()
+        with pytest.raises(ValueError, match="no tensor 'nope'"):
+            await t.wait_tensor("nope")
+        with pytest.raises(ValueError, match="per_tensor=True"):
+            t.stream_wait("k0")
+    for n in caches:
+        assert same_bytes(caches[n][8:12], orig[n][0:4])

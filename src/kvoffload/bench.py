@@ -588,6 +588,41 @@ def small_transfers(rep: Report, dev: torch.device, base: Any, count: int = 5000
                           "two_hop_64": hop}
 
 
+def first_layer_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device) -> None:
+    """A load with per-tensor completion: time until the first layer is in place against the whole
+    load, and its GB/s against a bulk load of the same blocks (GPU only)."""
+    n = lay.blocks_for(gib)
+    rep.begin(f"per-layer loads: {n * lay.block_bytes / 2**30:.2f} GiB, {lay.layers} layers")
+    caches = lay.cache(n, dev)
+    first = next(iter(caches))
+
+    async def run() -> tuple[float, float, float]:
+        async with Offloader(caches, host_blocks=n) as off:
+            await off.store({i: i for i in range(n)})
+            bulk, first_s, whole = float("inf"), float("inf"), float("inf")
+            for _ in range(3):
+                _sync(dev)
+                t0 = time.perf_counter()
+                await off.load({i: n - 1 - i for i in range(n)})
+                bulk = min(bulk, time.perf_counter() - t0)
+                _sync(dev)
+                t0 = time.perf_counter()
+                t = off.load({i: n - 1 - i for i in range(n)}, per_tensor=True)
+                await t.wait_tensor(first)
+                first_s = min(first_s, time.perf_counter() - t0)
+                await t
+                whole = min(whole, time.perf_counter() - t0)
+            return bulk, first_s, whole
+
+    bulk, first_s, whole = asyncio.run(run())
+    nbytes = n * lay.block_bytes
+    rep.extra["per_layer"] = {"bulk_s": bulk, "first_layer_s": first_s, "whole_s": whole}
+    rep.row("per-layer load: first layer in place", "ms", first_s * 1e3, whole * 1e3, None,
+            note="ceiling = the whole per-layer load")
+    rep.row("per-layer load vs bulk load", "GB/s", nbytes / whole / 1e9, nbytes / bulk / 1e9, None,
+            note="ceiling = the bulk load of the same blocks")
+
+
 def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, steps: int = 150, python_ms: float = 3.0) -> None:
     """A synthetic serving step, with and without offloading; reports step-time inflation.
 
@@ -791,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,compute,disk,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,compute,disk,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -803,8 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = Layout(args.layout)
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
-    gpu_only = {"layouts", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "compute", "disk", "small", "engine", "latency") if s not in skip | gpu_only]
+    gpu_only = {"layouts", "layers", "compute"} if not cuda else set()
+    todo = [s for s in ("host", "busy", "layouts", "layers", "compute", "disk", "small", "engine", "latency") if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -819,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
         busy_caller_scenarios(rep, lay, min(gib, 0.5), dev, base, args.busy_seconds)
     if "layouts" in todo:
         layout_scenarios(rep, min(gib, 1.0), dev, base)
+    if "layers" in todo:
+        first_layer_scenario(rep, lay, min(gib, 1.0), dev)
     if "compute" in todo:
         under_compute_scenarios(rep, lay, min(gib, 0.5), dev, args.busy_seconds)
     if "disk" in todo:

@@ -206,6 +206,18 @@ class CopyWorker:
                 return Enqueued(events, e)
         return Enqueued(events, None)
 
+    def enqueue_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any) -> Enqueued:
+        """Like :meth:`enqueue` for a load with per-tensor completion (GPU copier only): one event per
+        tensor, in ``kv_caches`` order."""
+        with self._submit_lock:
+            try:
+                if after is not None:
+                    self.copier.wait_for(after)
+                events = call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids)  # type: ignore[attr-defined]
+            except Exception as e:
+                return Enqueued([], e)
+        return Enqueued(list(events), None)
+
     # -- quick transfers ------------------------------------------------------------------------
 
     def start_quick(self, job: QuickJob) -> None:

@@ -264,12 +264,18 @@ class Offloader:
             storage.start_store(transfer, plan, after)
             return transfer
 
-    def load(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
+    def load(
+        self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None, per_tensor: bool = False,
+    ) -> Transfer:
         """Copy stored blocks into cache blocks; returns a running :class:`Transfer`.
 
         ``blocks`` maps key -> destination cache block id (distinct ids). For a
         GPU cache the copy does not write the blocks before the work queued so
-        far on the caller's current stream (or ``after``) has completed. Raises
+        far on the caller's current stream (or ``after``) has completed.
+        ``per_tensor=True`` copies tensor by tensor in ``kv_caches`` order and reports
+        each one (``Transfer.wait_tensor``, ``Transfer.stream_wait``), so a model can run
+        layer ``i`` while later layers load (GPU caches with every key in host memory;
+        elsewhere each tensor is ready with the whole load). Raises
         :class:`MissingKeysError` if a key is not stored, ``TypeError`` /
         ``ValueError`` on bad arguments; then nothing is queued.
         """
@@ -285,7 +291,7 @@ class Offloader:
             plan = storage.plan_load(checked)
             transfer = Transfer("load")
             self._counters.started()
-            storage.start_load(transfer, plan, after)
+            storage.start_load(transfer, plan, after, per_tensor)
             return transfer
 
     def _check_after(self, after: object) -> None:

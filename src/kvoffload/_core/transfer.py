@@ -21,7 +21,7 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
@@ -69,7 +69,10 @@ class Transfer:
     :class:`TransferCancelled`.
     """
 
-    __slots__ = ("kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller")
+    __slots__ = (
+        "kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller", "_tensors",
+        "_tensor_names",
+    )
 
     def __init__(self, kind: Literal["store", "load"]) -> None:
         self.kind = kind
@@ -81,6 +84,9 @@ class Transfer:
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
         self._canceller: Callable[[], Any] | None = None
+        self._tensors: dict[str, _TensorCopy] | None = None
+        """Loads with per-tensor completion: each tensor's copy event and waiters."""
+        self._tensor_names: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         state = ("running", "done", "failed", "cancelled")[self._state]
@@ -176,6 +182,73 @@ class Transfer:
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         return self._wait().__await__()
+
+    # -- per-tensor completion (loads) ------------------------------------------
+
+    def tensor_done(self, name: str) -> bool:
+        """True once tensor ``name``'s blocks of this load are in place (a store: once it has ended)."""
+        state = self._tensor_state(name)
+        return self._state == _DONE or (state is not None and state.done)
+
+    async def wait_tensor(self, name: str) -> None:
+        """Return once tensor ``name``'s blocks of this load are in place, so layer ``name`` can be used
+        while later tensors still load (``load(..., per_tensor=True)`` on a GPU cache with every key in
+        host memory; otherwise once the whole transfer is done). Raises what ``await transfer`` raises
+        if the transfer ends first without it. Cancelling the waiting task stops the wait, not the
+        transfer. Works under asyncio, trio and anyio."""
+        state = self._tensor_state(name)
+        wake, wait = _waiter()
+        with self._lock:
+            pending = self._state == _PENDING and (state is None or not state.done)
+            if pending and state is not None:
+                state.waiters.append(wake)
+            elif pending:
+                self._callbacks.append((wake, None, None))
+        if pending:
+            await wait()
+        if state is not None and state.done:
+            return
+        self._outcome()
+
+    def stream_wait(self, name: str, stream: Any = None) -> None:
+        """Make ``stream`` (a ``torch.cuda.Stream``; default: the current one) wait for tensor ``name``'s
+        copy, without the host waiting: the next kernels there see that tensor's blocks in place.
+        Needs ``load(..., per_tensor=True)`` on a GPU cache with every key in host memory
+        (``ValueError`` otherwise). A failed copy leaves the blocks unspecified: check the transfer."""
+        state = self._tensor_state(name)
+        if state is None or state.event is None:
+            raise ValueError("stream_wait needs a GPU load made with per_tensor=True whose keys are all in host memory")
+        import torch
+
+        raw = stream.cuda_stream if stream is not None else torch.cuda.current_stream().cuda_stream
+        state.event.wait_on(raw)
+
+    def _tensor_state(self, name: str) -> _TensorCopy | None:
+        if self._tensors is None:
+            if self._tensor_names and name not in self._tensor_names:
+                raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensor_names)}")
+            return None
+        state = self._tensors.get(name)
+        if state is None:
+            raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensors)}")
+        return state
+
+    def _track_tensors(self, names: tuple[str, ...], events: list[Any] | None) -> None:
+        """Worker side, before the transfer is returned: the tensors in copy order, and (per-tensor GPU
+        loads) the event each tensor's copy ends with; without events tensors are done with the transfer."""
+        self._tensor_names = names
+        if events is not None:
+            self._tensors = {n: _TensorCopy(e) for n, e in zip(names, events)}
+
+    def _tensor_landed(self, index: int) -> None:
+        """Tensor ``index`` (in copy order) is in place: wake its waiters."""
+        assert self._tensors is not None
+        state = self._tensors[self._tensor_names[index]]
+        with self._lock:
+            state.done = True
+            waiters, state.waiters = state.waiters, []
+        for wake in waiters:
+            _call_quietly(wake, self)
 
     # -- waiting from an event loop ---------------------------------------------
 
@@ -288,10 +361,16 @@ class Transfer:
             callbacks, self._callbacks = self._callbacks, []
             self._canceller = None
             finished = self._finished
+            tensor_waiters = []
+            for state in (self._tensors or {}).values():
+                tensor_waiters += state.waiters
+                state.waiters = []
         if finished is not None:
             finished.set()
         for cb in callbacks:
             self._dispatch(cb)
+        for wake in tensor_waiters:  # those whose tensor never landed: they raise the outcome
+            _call_quietly(wake, self)
 
     def _dispatch(self, cb: _Callback) -> None:
         """Run a done callback where it belongs: on its loop, else (or if that loop has closed) here."""
@@ -303,6 +382,45 @@ class Transfer:
             except RuntimeError:  # closed meanwhile
                 pass
         _call_quietly(fn, self, context)
+
+
+class _TensorCopy:
+    """One tensor of a per-tensor load: the event its copy ends with, and who waits for it."""
+
+    __slots__ = ("event", "done", "waiters")
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.done = False
+        self.waiters: list[Callable[[Transfer], Any]] = []
+
+
+def _waiter() -> tuple[Callable[[Transfer], Any], Callable[[], Awaitable[Any]]]:
+    """A wake-up callable for any thread, and what the current task awaits until it is called."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        fut: asyncio.Future[None] = loop.create_future()
+        box = mailbox_of(loop)
+
+        def wake(_: Transfer) -> None:
+            try:
+                box.post(resolve, fut)
+            except RuntimeError:  # the waiting loop has closed
+                pass
+
+        return wake, lambda: fut
+    import anyio
+
+    call_soon = caller_of_current_loop()
+    event = anyio.Event()
+
+    def wake_any(_: Transfer) -> None:
+        try:
+            call_soon(event.set)
+        except RuntimeError:  # the waiting run has ended
+            pass
+
+    return wake_any, event.wait
 
 
 def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer, context: contextvars.Context | None = None) -> None:

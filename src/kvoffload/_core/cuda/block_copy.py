@@ -213,6 +213,28 @@ class CudaBlockCopier:
         done = self._staging_free[b] = self._record(self._kstream)
         return done
 
+    def to_device_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> list[DriverEvent]:
+        """Copy host rows into cache blocks tensor by tensor, in ``kv_caches`` order, on the copy
+        stream: one batched copy of every piece of a tensor (no staging), then an event. Returns
+        one completion event per tensor, so that layer ``i`` can be used while later ones load."""
+        self._calls.ensure_context(self._device_index)
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        hr = np.asarray(rows, dtype=np.uint64)
+        # [piece, block] addresses for every piece at once; each tensor takes its rows of pieces
+        cache_addrs = self._bases[:, None] + ids[None, :] * self._piece_strides[:, None]
+        host_addrs = host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]
+        sizes = np.repeat(self._piece_bytes[:, None], len(ids), axis=1)
+        events: list[DriverEvent] = []
+        i = 0
+        while i < len(self._pieces):
+            j = i
+            while j < len(self._pieces) and self._pieces[j].name == self._pieces[i].name:
+                j += 1
+            self._copy(cache_addrs[i:j].ravel(), host_addrs[i:j].ravel(), sizes[i:j].ravel(), self._cstream)
+            events.append(self._record(self._cstream))
+            i = j
+        return events
+
     def close(self) -> None:
         self.kernel_stream.synchronize()
         self.copy_stream.synchronize()

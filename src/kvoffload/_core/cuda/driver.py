@@ -296,6 +296,11 @@ class DriverEvent:
             check("cuEventRecord", err)
         return self
 
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream`` (a raw ``CUstream``) wait for the event, without the host waiting."""
+        self._calls.ensure_context(self._device)
+        self._calls.wait(stream, self.handle)
+
     def query(self) -> bool:
         """True once the work recorded before the event has completed.
 

@@ -90,13 +90,15 @@ class StorePlan:
 class LoadPlan:
     """A load's pinned copies and destination blocks; unpins them when it ends. Implements :class:`JobSteps`."""
 
-    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released")
-    reports_landings = False
+    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released", "reports_landings", "on_tensor")
 
     def __init__(self, index: BlockIndex, metrics: TransferCounters, pins: list[Pin], block_ids: list[int], block_bytes: int) -> None:
         self.index = index
         self.metrics = metrics
         self.taken: float | None = None
+        self.reports_landings = False
+        self.on_tensor: Callable[[int], None] | None = None
+        """Per-tensor loads: told as each tensor (copy ``i``) lands."""
         self.pins = pins
         self.block_ids = block_ids
         self.block_bytes = block_bytes
@@ -104,7 +106,8 @@ class LoadPlan:
         self.released = False
 
     def landed(self, i: int) -> None:
-        pass
+        if self.on_tensor is not None:
+            self.on_tensor(i)
 
     def result(self) -> TransferResult:
         keys = tuple(p.entry.key for p in self.pins)
@@ -247,8 +250,29 @@ class TieredStorage:
         keys = list(blocks)
         return LoadPlan(self.index, self.metrics, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
 
-    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any) -> None:
-        """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed)."""
+    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, per_tensor: bool = False) -> None:
+        """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed).
+
+        ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
+        one's completion to ``transfer``; elsewhere every tensor is done with the transfer."""
+        names = tuple(dict.fromkeys(p.name for p in self.layout.pieces))
+        if per_tensor and self.layout.is_cuda and all(p.tier == HOST for p in plan.pins):
+            assert self.host is not None
+            worker = self.workers.load
+            if after is None:
+                try:
+                    after = worker.copier.caller_event()
+                except Exception as e:  # a failed device: this transfer fails, its pins go back
+                    transfer._track_tensors(names, None)
+                    worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=Enqueued([], e)))
+                    return
+            enqueued = worker.enqueue_by_tensor(self.host.rows, [p.slot for p in plan.pins], plan.block_ids, after)
+            # tensors after a failed submission get no event: they never land, their waiters get the error
+            transfer._track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
+            plan.reports_landings, plan.on_tensor = True, transfer._tensor_landed
+            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
+            return
+        transfer._track_tensors(names, None)
         requests = None
         if all(p.tier == HOST for p in plan.pins):
             assert self.host is not None
