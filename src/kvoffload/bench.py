@@ -508,9 +508,23 @@ def disk_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
                 b["load"] = _best_gbps(nbytes, lambda: dbase.wait(dbase.load([(i, perm[i]) for i in range(n)])), dev, reps=1)
             finally:
                 dbase.close()
+        # The same store+load round trips while another thread of the process runs Python: every
+        # step of the disk pipeline between chunks needs the GIL.
+        with Offloader(caches, host_blocks=0, disk_path=os.path.join(tmp, "kv"), disk_blocks=n, io_threads=io_threads) as off:
+
+            def disk_round() -> int:
+                off.store({i: perm[i] for i in range(n)}).result()
+                off.load({i: perm[i] for i in range(n)}).result()
+                off.discard(range(n))
+                return 2 * nbytes
+
+            disk_idle, _ = _rounds_gbps(disk_round, 1.0, busy_other=False)
+            disk_busy, _ = _rounds_gbps(disk_round, 1.0, busy_other=True)
+        rep.extra["disk_busy"] = {"idle": disk_idle, "other_busy": disk_busy}
         rep.row("disk store (no host tier)", "GB/s", max(st), max(cw), b.get("store"))
         rep.row("disk load (no host tier)", "GB/s", max(ld), max(cr), b.get("load"))
         rep.row("spill host -> disk under new stores", "GB/s", max(sp), max(cw), None, note=f"{spilled} entries spilled")
+        rep.row("disk store+load, another thread busy", "GB/s", disk_busy, disk_idle, None, note="ceiling = the same, all threads idle")
     finally:
         if raw is not None:
             raw.close()

@@ -19,17 +19,19 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
-import threading
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .cross_thread import resolve_from_any_thread
 from .errors import OffloadError
 from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
@@ -280,6 +282,25 @@ class IoBatch:
 
     def __init__(self, pool: concurrent.futures.Executor, calls: Sequence[Callable[[], None]]) -> None:
         self._futures = [pool.submit(c) for c in calls]
+        self._lock = threading.Lock()
+        self._left = len(self._futures)
+        self._failed = False
+        self._waiters: list[Callable[[], None]] = []
+        for f in self._futures:
+            f.add_done_callback(self._call_ended)
+
+    def _call_ended(self, f: concurrent.futures.Future[None]) -> None:
+        """On an IO thread: count the end; the last call (or the first failure) wakes the waiter once."""
+        with self._lock:
+            self._left -= 1
+            failed = not f.cancelled() and f.exception() is not None
+            wake = self._left == 0 or (failed and not self._failed)
+            self._failed = self._failed or failed
+            waiters = self._waiters if wake else []
+            if wake:
+                self._waiters = []
+        for w in waiters:
+            w()
 
     def done(self) -> bool:
         """True when every call has ended."""
@@ -288,13 +309,26 @@ class IoBatch:
     async def wait(self) -> None:
         """Return when every call succeeded.
 
-        On cancellation or the first error, calls not yet started are cancelled
-        and running ones are waited for (a ``pwritev`` cannot be recalled)
-        before the exception propagates: no IO on the buffers is left behind.
+        The waiting loop is woken once, when the last call ends (or at the first
+        failure), not once per call: behind a thread busy in Python each wake-up
+        may wait a whole switch interval for the GIL. On cancellation or the first
+        error, calls not yet started are cancelled and running ones are waited for
+        (a ``pwritev`` cannot be recalled) before the exception propagates: no IO
+        on the buffers is left behind.
         """
         try:
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[None] = loop.create_future()
+            with self._lock:
+                pending = self._left > 0 and not self._failed
+                if pending:
+                    self._waiters.append(functools.partial(resolve_from_any_thread, loop, ended))
+            if pending:
+                await ended
             for f in self._futures:
-                await asyncio.wrap_future(f)
+                exc = f.exception() if f.done() and not f.cancelled() else None
+                if exc is not None:
+                    raise exc
         except BaseException:
             await self.settle()
             raise
