@@ -166,11 +166,8 @@ class Transfer:
     def _on_end(self, fn: Callable[[Transfer], Any]) -> None:
         """Call ``fn(transfer)`` where the transfer ends (now, if it has), whatever loop runs here:
         for the library's own bookkeeping, which must not depend on a caller's loop."""
-        with self._lock:
-            if self._state == _PENDING:
-                self._callbacks.append((fn, None, None))
-                return
-        _call_quietly(fn, self)
+        if not self._on_end_registered(fn):
+            _call_quietly(fn, self)
 
     def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
         """Remove every registration of ``fn``; returns how many there were."""
@@ -198,12 +195,13 @@ class Transfer:
         transfer. Works under asyncio, trio and anyio."""
         state = self._tensor_state(name)
         wake, wait = _waiter()
-        with self._lock:
-            pending = self._state == _PENDING and (state is None or not state.done)
-            if pending and state is not None:
-                state.waiters.append(wake)
-            elif pending:
-                self._callbacks.append((wake, None, None))
+        if state is None:
+            pending = self._on_end_registered(wake)
+        else:
+            with self._lock:
+                pending = self._state == _PENDING and not state.done
+                if pending:
+                    state.waiters.append(wake)
         if pending:
             await wait()
         if state is not None and state.done:
@@ -255,29 +253,28 @@ class Transfer:
     async def _wait(self) -> TransferResult:
         if self._state != _PENDING:
             return self._outcome()
-        loop = asyncio._get_running_loop()
-        if loop is None:  # trio, or anyio on trio
+        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
             return await self._wait_anyio()
         try:
-            await self._finished_on(loop)
+            await self._when_ended()
         except asyncio.CancelledError:
             # Our awaiting task was cancelled: cancel the transfer, then hold the
             # CancelledError back until nothing more is written.
             self.cancel()
-            await self._wind_down(loop)
+            await self._wind_down()
             raise
         return self._outcome()
 
-    async def _wind_down(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _wind_down(self) -> None:
         """Wait for the transfer to end whatever happens meanwhile, without spinning: anyio's cancel
         scopes would re-deliver the cancellation at every await, asyncio's may come again."""
         import anyio
 
-        finished = self._finished_on(loop)  # the first one was cancelled with the awaiting task
+        ended = self._when_ended()  # the first one was cancelled with the awaiting task
         with anyio.CancelScope(shield=True):
-            while not finished.done():
+            while not ended.done():
                 try:
-                    await asyncio.shield(finished)
+                    await asyncio.shield(ended)
                 except asyncio.CancelledError:
                     continue
 
@@ -286,45 +283,31 @@ class Transfer:
         thread-safe call."""
         import anyio
 
-        call_soon = caller_of_current_loop()
-        event = anyio.Event()
-
-        def wake(_: Transfer) -> None:
+        wake, wait = _waiter()
+        if self._on_end_registered(wake):
             try:
-                call_soon(event.set)
-            except RuntimeError:  # the waiting run has ended (trio.RunFinishedError): nobody to wake
-                pass
-
-        with self._lock:
-            pending = self._state == _PENDING
-            if pending:
-                self._callbacks.append((wake, None, None))
-        if pending:
-            try:
-                await event.wait()
+                await wait()
             except anyio.get_cancelled_exc_class():
                 self.cancel()
                 with anyio.CancelScope(shield=True):
-                    await event.wait()
+                    await wait()
                 raise
         return self._outcome()
 
-    def _finished_on(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = loop.create_future()
-        box = mailbox_of(loop)
+    def _when_ended(self) -> asyncio.Future[None]:
+        """A future of the running asyncio loop, resolved (through its mailbox) once the transfer ends."""
+        wake, fut = _asyncio_waiter(asyncio.get_running_loop())
+        if not self._on_end_registered(wake):
+            fut.set_result(None)
+        return fut
 
-        def wake(_: Transfer) -> None:
-            try:
-                box.post(resolve, fut)
-            except RuntimeError:  # the waiting loop was closed meanwhile: nobody to wake
-                pass
-
+    def _on_end_registered(self, wake: Callable[[Transfer], Any]) -> bool:
+        """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended."""
         with self._lock:
             if self._state == _PENDING:
                 self._callbacks.append((wake, None, None))
-                return fut
-        fut.set_result(None)
-        return fut
+                return True
+        return False
 
     def _cancelled_error(self) -> TransferCancelled:
         return TransferCancelled(f"the {self.kind} was cancelled (Transfer.cancel(), close(), or its offloader was collected)")
@@ -395,19 +378,26 @@ class _TensorCopy:
         self.waiters: list[Callable[[Transfer], Any]] = []
 
 
+def _asyncio_waiter(loop: asyncio.AbstractEventLoop) -> tuple[Callable[[Transfer], Any], asyncio.Future[None]]:
+    """A wake-up callable for any thread, and the future of ``loop`` it resolves (through the loop's mailbox)."""
+    fut: asyncio.Future[None] = loop.create_future()
+    box = mailbox_of(loop)
+
+    def wake(_: Transfer) -> None:
+        try:
+            box.post(resolve, fut)
+        except RuntimeError:  # the waiting loop has closed: nobody to wake
+            pass
+
+    return wake, fut
+
+
 def _waiter() -> tuple[Callable[[Transfer], Any], Callable[[], Awaitable[Any]]]:
-    """A wake-up callable for any thread, and what the current task awaits until it is called."""
+    """A wake-up callable for any thread, and what the current task awaits until it is called
+    (asyncio, or any backend anyio runs)."""
     loop = asyncio._get_running_loop()
     if loop is not None:
-        fut: asyncio.Future[None] = loop.create_future()
-        box = mailbox_of(loop)
-
-        def wake(_: Transfer) -> None:
-            try:
-                box.post(resolve, fut)
-            except RuntimeError:  # the waiting loop has closed
-                pass
-
+        wake, fut = _asyncio_waiter(loop)
         return wake, lambda: fut
     import anyio
 
