@@ -156,6 +156,8 @@ class TieredStorage:
         self.workers = workers
         self.metrics = metrics
         self.chunk_blocks = chunk_blocks
+        self.tensor_names = tuple(dict.fromkeys(p.name for p in layout.pieces))
+        """The caches' tensors in copy order (a per-tensor load reports them in this order)."""
         self.index = BlockIndex(host_blocks, disk_blocks)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
@@ -255,7 +257,7 @@ class TieredStorage:
 
         ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
         one's completion to ``transfer``; elsewhere every tensor is done with the transfer."""
-        names = tuple(dict.fromkeys(p.name for p in self.layout.pieces))
+        names = self.tensor_names
         if per_tensor and self.layout.is_cuda and all(p.tier == HOST for p in plan.pins):
             assert self.host is not None
             worker = self.workers.load
