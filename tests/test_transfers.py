@@ -11,6 +11,7 @@ import torch
 
 import kvoffload
 from conftest import block_bytes, random_caches, same_bytes
+from kvoffload._testing import copy_calls
 
 
 def snapshot(caches):
@@ -282,3 +283,33 @@ async def test_per_tensor_waits_on_cpu_caches_end_with_the_load():
             t.stream_wait("k0")
     for n in caches:
         assert same_bytes(caches[n][8:12], orig[n][0:4])
+
+
+@pytest.mark.asyncio
+async def test_an_expedited_load_does_not_wait_behind_a_bulk_load():
+    """A one-block expedited load completes while a bulk load's copy is held on the load worker;
+    the bulk load then completes too, both byte for byte."""
+    caches = random_caches(64, seed=71)
+    orig = snapshot(caches)
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    async with kvoffload.Offloader(caches, host_blocks=64, chunk_bytes=slot, expedited_loads=True) as off:
+        await off.store({i: i for i in range(32)})
+        calls = copy_calls(off)
+        real, entered, release = calls.to_device, threading.Event(), threading.Event()
+
+        def held_on_the_load_worker(*args):
+            if threading.current_thread().name == "kvoffload-load":
+                entered.set()
+                assert release.wait(10)
+            return real(*args)
+
+        calls.to_device = held_on_the_load_worker
+        bulk = off.load({i: 32 + i for i in range(31)})
+        await asyncio.to_thread(entered.wait, 10)
+        quick = await asyncio.wait_for(off.load({31: 63}, expedited=True), 10)
+        assert quick.keys == (31,) and not bulk.done(), "the expedited load waited for the bulk one"
+        release.set()
+        await bulk
+        calls.to_device = real
+    for n in caches:
+        assert same_bytes(caches[n][32:64], orig[n][0:32])

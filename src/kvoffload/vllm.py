@@ -108,6 +108,7 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self.options: dict[str, Any] = {
             k: extra[k] for k in ("chunk_bytes", "io_threads", "use_page_cache", "completion") if k in extra
         }
+        self.options["expedited_loads"] = bool(extra.get("expedited_loads", True))  # vLLM waits on expedited loads at once
         self._manager: KvoffloadManager | None = None
 
     def get_manager(self) -> KvoffloadManager:
@@ -276,7 +277,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         assert isinstance(src_spec, KeysSpec)
         self._begin(job_id)
         try:
-            transfer = self.offloader.load(self._gpu_blocks(src_spec.keys, dst_spec))
+            transfer = self.offloader.load(self._gpu_blocks(src_spec.keys, dst_spec), expedited=expedited)
         except Exception:
             self._report(job_id, False)
             return True

@@ -124,12 +124,16 @@ def _libc_memcpy() -> Any:
     return ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
 
 
-def make_block_copier(layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], options: Options) -> BlockCopier:
-    """A :class:`CpuBlockCopier` for CPU caches, a CUDA copier (own streams, staging, copy kernel) for GPU caches."""
+def make_block_copier(
+    layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], options: Options, *, expedited: bool = False,
+) -> BlockCopier:
+    """A :class:`CpuBlockCopier` for CPU caches, a CUDA copier (own streams, staging, copy kernel) for GPU
+    caches; ``expedited``: its streams have a higher priority than the others' (and than compute)."""
     if not layout.is_cuda:
         return CpuBlockCopier(layout, kv_caches, options.chunk_bytes)
     from .cuda.block_copy import CudaBlockCopier
 
     return CudaBlockCopier(
-        layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas
+        layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas,
+        priority=-1 if expedited else 0,
     )

@@ -489,7 +489,10 @@ class CopyWorker:
 
 @dataclass(frozen=True)
 class CopyWorkers:
-    """The offloader's two workers: stores and loads never wait behind each other."""
+    """The offloader's workers: stores and loads never wait behind each other, and expedited
+    loads (host memory to the cache, on higher-priority streams) never wait behind loads."""
 
     store: CopyWorker
     load: CopyWorker
+    expedited: CopyWorker | None = None
+    """Only with ``Options.expedited_loads``."""

@@ -78,6 +78,7 @@ class Offloader:
         use_batch_copy: bool = True,
         io_threads: int = 4,
         use_page_cache: bool = False,
+        expedited_loads: bool = False,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
@@ -86,6 +87,7 @@ class Offloader:
             host_blocks=host_blocks, disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
             disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
             use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
+            expedited_loads=expedited_loads,
         )
         self._lock = threading.Lock()
         self._runtime: Runtime | None = None
@@ -266,6 +268,7 @@ class Offloader:
 
     def load(
         self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None, per_tensor: bool = False,
+        expedited: bool = False,
     ) -> Transfer:
         """Copy stored blocks into cache blocks; returns a running :class:`Transfer`.
 
@@ -275,7 +278,10 @@ class Offloader:
         ``per_tensor=True`` copies tensor by tensor in ``kv_caches`` order and reports
         each one (``Transfer.wait_tensor``, ``Transfer.stream_wait``), so a model can run
         layer ``i`` while later layers load (GPU caches with every key in host memory;
-        elsewhere each tensor is ready with the whole load). Raises
+        elsewhere each tensor is ready with the whole load). ``expedited=True`` (every key
+        in host memory, and the offloader made with ``expedited_loads=True``) runs the load on
+        a worker and streams of its own, at a higher priority, so a small load the caller waits
+        for does not queue behind bulk loads; otherwise it runs as any load. Raises
         :class:`MissingKeysError` if a key is not stored, ``TypeError`` /
         ``ValueError`` on bad arguments; then nothing is queued.
         """
@@ -291,7 +297,7 @@ class Offloader:
             plan = storage.plan_load(checked)
             transfer = Transfer("load")
             self._counters.started()
-            storage.start_load(transfer, plan, after, per_tensor)
+            storage.start_load(transfer, plan, after, per_tensor, expedited)
             return transfer
 
     def _check_after(self, after: object) -> None:

@@ -38,6 +38,10 @@ class Options:
     """Disk IO threads."""
     use_page_cache: bool = False
     """Buffered disk IO instead of O_DIRECT."""
+    expedited_loads: bool = False
+    """Start a third worker, with streams of a higher priority, for ``load(..., expedited=True)``:
+    small loads the caller waits for then queue behind no other load. Costs one thread and (GPU
+    caches) two more staging buffers of ``chunk_bytes``. Without it expedited loads run as others."""
 
     def __post_init__(self) -> None:
         _check_count("host_blocks", self.host_blocks, minimum=0)
@@ -62,7 +66,7 @@ class Options:
             raise ValueError("no room: host_blocks and disk_blocks are both 0")
         if self.completion not in ("thread", "poll"):
             raise ValueError(f"completion must be 'thread' or 'poll', got {self.completion!r}")
-        for name in ("use_batch_copy", "use_page_cache"):
+        for name in ("use_batch_copy", "use_page_cache", "expedited_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 

@@ -61,16 +61,16 @@ class CudaBlockCopier:
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
-        gather_ctas: int = 0,
+        gather_ctas: int = 0, priority: int = 0,
     ) -> None:
         self._layout = layout
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
-        # Priority 0 is the lowest: compute kernels go first.
-        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=0)
-        self.copy_stream = torch.cuda.Stream(device=layout.device, priority=0)
+        # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one.
+        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority)
+        self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         shape = (self.chunk_blocks, layout.slot_bytes)
         self._staging = [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]

@@ -252,15 +252,25 @@ class TieredStorage:
         keys = list(blocks)
         return LoadPlan(self.index, self.metrics, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
 
-    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, per_tensor: bool = False) -> None:
+    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False) -> None:
         """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed).
 
         ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
-        one's completion to ``transfer``; elsewhere every tensor is done with the transfer."""
+        one's completion to ``transfer``; elsewhere every tensor is done with the transfer.
+        ``expedited`` (every key in host memory): on the expedited worker, behind no other load."""
         names = self.tensor_names
-        if per_tensor and self.layout.is_cuda and all(p.tier == HOST for p in plan.pins):
+        all_host = all(p.tier == HOST for p in plan.pins)
+        requests = None
+        if all_host:
             assert self.host is not None
-            worker = self.workers.load
+            requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
+        # The expedited worker takes quick jobs only (its loop runs no task): copies enqueued at call
+        # time (GPU) or one chunk (CPU); anything else goes the regular way.
+        quick = requests is not None and (self.layout.is_cuda or len(requests) == 1)
+        load_worker = self.workers.expedited if expedited and quick and self.workers.expedited is not None else self.workers.load
+        if per_tensor and self.layout.is_cuda and all_host:
+            assert self.host is not None
+            worker = load_worker
             if after is None:
                 try:
                     after = worker.copier.caller_event()
@@ -275,11 +285,7 @@ class TieredStorage:
             worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
             return
         transfer._track_tensors(names, None)
-        requests = None
-        if all(p.tier == HOST for p in plan.pins):
-            assert self.host is not None
-            requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
-        self._start(self.workers.load, transfer, plan, requests, after, functools.partial(self._run_load, plan))
+        self._start(load_worker, transfer, plan, requests, after, functools.partial(self._run_load, plan))
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
