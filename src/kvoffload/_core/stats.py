@@ -118,7 +118,8 @@ class TransferCounters:
         self.bytes_stored = self.bytes_loaded = self.bytes_stored_partially = 0
         self.lookups = self.lookup_hits = 0
         self.keys_loaded_from_host = self.keys_loaded_from_disk = 0
-        self._latency: dict[tuple[str, str, str], _Histogram] = {}
+        self._latency: dict[tuple[str, str], tuple[_Histogram, _Histogram, _Histogram]] = {}
+        """(kind, outcome) -> histograms of the queue, copy and total phases."""
 
     def started(self) -> None:
         with self.lock:
@@ -152,12 +153,17 @@ class TransferCounters:
                 self.keys_loaded_from_disk += from_disk
                 self.keys_loaded_from_host += len(result.keys) - from_disk
             self.bytes_stored_partially += partial_bytes
-            for phase, seconds in (("queue", taken - started), ("copy", now - taken), ("total", now - started)):
-                h = self._latency.get((kind, outcome, phase))
-                if h is None:
-                    h = self._latency[(kind, outcome, phase)] = _Histogram()
-                h.observe(max(seconds, 0.0))
+            phases = self._latency.get((kind, outcome))
+            if phases is None:
+                phases = self._latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
+            phases[0].observe(max(taken - started, 0.0))
+            phases[1].observe(max(now - taken, 0.0))
+            phases[2].observe(max(now - started, 0.0))
 
     def latency(self) -> dict[tuple[str, str, str], LatencyHistogram]:
         """Snapshots of every histogram observed so far; call with :attr:`lock` held."""
-        return {k: h.snapshot() for k, h in self._latency.items()}
+        return {
+            (kind, outcome, phase): h.snapshot()
+            for (kind, outcome), hs in self._latency.items()
+            for phase, h in zip(("queue", "copy", "total"), hs)
+        }
