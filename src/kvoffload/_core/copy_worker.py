@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -256,34 +256,42 @@ class CopyWorker:
 
     def _copy_coalesced(self, jobs: list[QuickJob]) -> None:
         """Submit the jobs' copies, one copier call per run of jobs into the same host buffer."""
+        requests = []
+        for job in jobs:
+            assert job.requests is not None and len(job.requests) == 1
+            requests.append(job.requests[0])
+        for start, end, event, error in self._submit_runs(requests):
+            for job in jobs[start:end]:
+                if error is not None:  # OSError or ForeignCallError: fails the jobs of this call only
+                    self._end(job, exc=error)
+                else:
+                    job.enqueued = Enqueued([event], None)
+                    self._follow_guarded(job)
+
+    def _submit_runs(self, requests: Sequence[CopyRequest]) -> Iterator[tuple[int, int, Any, Exception | None]]:
+        """Submit ``requests`` in runs of consecutive ones that share a direction and a host buffer, at
+        most ``chunk_blocks`` blocks per copier call; yields ``(start, end, event, error)`` per run,
+        ``error`` being what the call raised (the run was then not submitted)."""
         limit = self.copier.chunk_blocks
         i = 0
-        while i < len(jobs):
-            first = jobs[i]
-            assert first.requests is not None and len(first.requests) == 1
-            req = first.requests[0]
-            group, n, j = [first], len(req.block_ids), i + 1
-            while j < len(jobs):
-                nxt = jobs[j].requests[0]  # type: ignore[index]
-                if nxt.to_host != req.to_host or nxt.host is not req.host or n + len(nxt.block_ids) > limit:
-                    break
-                group.append(jobs[j])
-                n += len(nxt.block_ids)
+        while i < len(requests):
+            first = requests[i]
+            n, j = len(first.block_ids), i + 1
+            while (j < len(requests) and requests[j].to_host == first.to_host and requests[j].host is first.host
+                   and n + len(requests[j].block_ids) <= limit):
+                n += len(requests[j].block_ids)
                 j += 1
-            i = j
-            reqs = [g.requests[0] for g in group]  # type: ignore[index]
-            ids = [b for r in reqs for b in r.block_ids] if len(reqs) > 1 else req.block_ids
-            rows = [x for r in reqs for x in r.rows] if len(reqs) > 1 else req.rows
+            run = requests[i:j]
+            ids = [b for r in run for b in r.block_ids] if len(run) > 1 else first.block_ids
+            rows = [x for r in run for x in r.rows] if len(run) > 1 else first.rows
             try:
                 with self._submit_lock:
-                    event = self._submit(req.to_host, req.host, rows, ids)
-            except Exception as e:  # OSError or ForeignCallError: fails the jobs of this call only
-                for g in group:
-                    self._end(g, exc=e)
-                continue
-            for g in group:
-                g.enqueued = Enqueued([event], None)
-                self._follow_guarded(g)
+                    event = self._submit(first.to_host, first.host, rows, ids)
+            except Exception as e:  # OSError or ForeignCallError
+                yield i, j, None, e
+            else:
+                yield i, j, event, None
+            i = j
 
     def _follow_guarded(self, job: QuickJob) -> None:
         """:meth:`_follow`; should that fail (a bug of ours, a failed device), end the job once its copies are done."""
@@ -419,30 +427,12 @@ class CopyWorker:
         self._flush_scheduled = False
         pending, self._pending = self._pending, []
         pending = [r for r in pending if not r.future.cancelled()]
-        limit = self.copier.chunk_blocks
-        i = 0
-        while i < len(pending):
-            first = pending[i]
-            batch = [first]
-            n = len(first.block_ids)
-            j = i + 1
-            while (j < len(pending) and pending[j].to_host == first.to_host and pending[j].host is first.host
-                   and n + len(pending[j].block_ids) <= limit):
-                n += len(pending[j].block_ids)
-                batch.append(pending[j])
-                j += 1
-            i = j
-            ids = [b for r in batch for b in r.block_ids] if len(batch) > 1 else first.block_ids
-            rows = [x for r in batch for x in r.rows] if len(batch) > 1 else first.rows
-            try:
-                with self._submit_lock:
-                    event = self._submit(first.to_host, first.host, rows, ids)
-            except Exception as e:  # OSError or ForeignCallError: fails the transfers of this batch only
-                for r in batch:
+        for start, end, event, error in self._submit_runs(pending):
+            for r in pending[start:end]:
+                if error is not None:  # fails the transfers of this call only
                     if not r.future.done():
-                        r.future.set_exception(e)
-                continue
-            for r in batch:
+                        r.future.set_exception(error)
+                    continue
                 r.submitted, r.event = True, event
                 if not r.future.done():
                     r.future.set_result(event)
