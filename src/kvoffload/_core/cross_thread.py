@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop"]
+__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop", "event_settable_from_any_thread"]
 
 
 class Mailbox:
@@ -96,3 +96,20 @@ def caller_of_current_loop() -> Callable[[Callable[[], Any]], Any]:
         return box.post
     run_sync_soon: Callable[[Callable[[], Any]], Any] = getattr(native, "run_sync_soon")
     return run_sync_soon
+
+
+def event_settable_from_any_thread() -> tuple[Callable[..., None], Any]:
+    """An ``anyio.Event`` of the event loop running in this thread, and a callable that sets it from
+    any thread (its arguments are ignored; nothing happens once that loop is gone)."""
+    import anyio
+
+    call_soon = caller_of_current_loop()
+    event = anyio.Event()
+
+    def set_soon(*_: object) -> None:
+        try:
+            call_soon(event.set)
+        except RuntimeError:  # the waiting loop or run has ended: nobody to wake
+            pass
+
+    return set_soon, event

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from .cross_thread import caller_of_current_loop
+from .cross_thread import event_settable_from_any_thread
 
 __all__ = ["HelperThread", "on_worker_thread", "run_in_thread", "off_loop", "off_any_loop"]
 
@@ -68,15 +68,7 @@ async def off_any_loop(fn: Callable[[], T], name: str) -> tuple[concurrent.futur
     import anyio
 
     thread_fut, thread = run_in_thread(fn, name)
-    call_soon = caller_of_current_loop()
-    ended = anyio.Event()
-
-    def wake(_: object) -> None:
-        try:
-            call_soon(ended.set)
-        except RuntimeError:  # the waiting run has ended
-            pass
-
+    wake, ended = event_settable_from_any_thread()
     thread_fut.add_done_callback(wake)
     with anyio.CancelScope(shield=True):
         await ended.wait()

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
-from .cross_thread import caller_of_current_loop, mailbox_of, resolve
+from .cross_thread import event_settable_from_any_thread, mailbox_of, resolve
 from .errors import TransferCancelled
 
 __all__ = ["Transfer", "TransferResult"]
@@ -399,17 +399,7 @@ def _waiter() -> tuple[Callable[[Transfer], Any], Callable[[], Awaitable[Any]]]:
     if loop is not None:
         wake, fut = _asyncio_waiter(loop)
         return wake, lambda: fut
-    import anyio
-
-    call_soon = caller_of_current_loop()
-    event = anyio.Event()
-
-    def wake_any(_: Transfer) -> None:
-        try:
-            call_soon(event.set)
-        except RuntimeError:  # the waiting run has ended
-            pass
-
+    wake_any, event = event_settable_from_any_thread()
     return wake_any, event.wait
 
 
