@@ -177,9 +177,11 @@ class TieredStorage:
     def _start(
         self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, requests: list[CopyRequest] | None,
         after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
+        enqueue: Callable[[Any], Enqueued] | None = None,
     ) -> None:
         """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
-        and can be enqueued now (GPU) or made in one step (one chunk), else ``run(after)`` as a task."""
+        and can be enqueued now (GPU; ``enqueue(after)`` instead of ``worker.enqueue`` when given) or
+        made in one step (one chunk), else ``run(after)`` as a task."""
         if after is None:
             try:
                 after = worker.copier.caller_event()
@@ -187,7 +189,8 @@ class TieredStorage:
                 worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=Enqueued([], e)))
                 return
         if requests is not None and self.layout.is_cuda:
-            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=worker.enqueue(requests, after)))
+            enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after)
+            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
         elif requests is not None and len(requests) == 1:
             worker.start_quick(QuickJob(transfer, plan, plan.ended, requests=requests))
         else:
@@ -268,24 +271,20 @@ class TieredStorage:
         # time (GPU) or one chunk (CPU); anything else goes the regular way.
         quick = requests is not None and (self.layout.is_cuda or len(requests) == 1)
         load_worker = self.workers.expedited if expedited and quick and self.workers.expedited is not None else self.workers.load
+        transfer._track_tensors(names, None)  # every tensor ready with the transfer, unless copied one by one
+        enqueue = None
         if per_tensor and self.layout.is_cuda and all_host:
-            assert self.host is not None
-            worker = load_worker
-            if after is None:
-                try:
-                    after = worker.copier.caller_event()
-                except Exception as e:  # a failed device: this transfer fails, its pins go back
-                    transfer._track_tensors(names, None)
-                    worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=Enqueued([], e)))
-                    return
-            enqueued = worker.enqueue_by_tensor(self.host.rows, [p.slot for p in plan.pins], plan.block_ids, after)
-            # tensors after a failed submission get no event: they never land, their waiters get the error
-            transfer._track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
-            plan.reports_landings, plan.on_tensor = True, transfer._tensor_landed
-            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
-            return
-        transfer._track_tensors(names, None)
-        self._start(load_worker, transfer, plan, requests, after, functools.partial(self._run_load, plan))
+            host = self.host
+            assert host is not None
+
+            def enqueue(after: Any) -> Enqueued:
+                enqueued = load_worker.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after)
+                # tensors after a failed submission get no event: they never land, their waiters get the error
+                transfer._track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
+                plan.reports_landings, plan.on_tensor = True, transfer._tensor_landed
+                return enqueued
+
+        self._start(load_worker, transfer, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
