@@ -41,7 +41,7 @@ class PrefixCacheService:
         self.free_blocks = list(range(off.layout.num_blocks))
         self.lock = threading.Lock()
         self.abandoned = {"disconnect": 0, "deadline": 0}
-        """Requests whose work was cancelled, by cause (counted when the cancel is sent)."""
+        """Requests whose work was cancelled, by cause (counted once the cancel reached the transfer)."""
 
     @staticmethod
     def keys_for(tokens: list[int]) -> list[bytes]:
@@ -97,8 +97,9 @@ async def generate(request: Request) -> Response:
             return JSONResponse(work.result())
         except RuntimeError as e:
             return JSONResponse({"error": str(e)}, status_code=503)
-    service.abandoned["disconnect" if gone in done else "deadline"] += 1
     work.cancel()  # cancels the transfer it awaits
+    await asyncio.sleep(0)  # one loop turn: the cancellation reaches the transfer
+    service.abandoned["disconnect" if gone in done else "deadline"] += 1
     with contextlib.suppress(asyncio.CancelledError):
         await work  # returns once the transfer stopped writing and the blocks are back
     if gone in done:

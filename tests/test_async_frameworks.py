@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from conftest import NotingCancel, random_caches, same_bytes
 
 
 def snapshot(caches):
@@ -87,13 +87,13 @@ async def test_a_timeout_cancels_the_transfer_and_raises_timeout_error(faults, h
         gate = faults.gate(off, "to_host")
         t = off.store({"a": 0})
         await gate.entered_async()
-        threading.Timer(0.05, gate.open).start()  # the copy ends after the timeout fired
+        held = NotingCancel(t, gate.open)  # awaits t; the held copy ends once the timeout reached t
         with pytest.raises(TimeoutError):
             if how == "wait_for":
-                await asyncio.wait_for(t, 0.01)
+                await asyncio.wait_for(held, 0.01)
             else:
                 async with asyncio.timeout(0.01):
-                    await t
+                    await held
         assert t.done() and gate.in_flight == 0, "the timeout was raised while the copy still ran"
         assert t.cancelled() and "a" not in off
         assert off.stats().cancelled == 1
@@ -120,7 +120,7 @@ async def test_a_transfer_cancelled_by_someone_else_raises_transfer_cancelled_no
         t = off.store({"a": 0})
         await gate.entered_async()
         t.cancel()
-        threading.Timer(0.02, gate.open).start()
+        gate.open()
         async with asyncio.timeout(30):  # a CancelledError here would escape the timeout as is
             with pytest.raises(kvoffload.TransferCancelled):
                 await t
@@ -169,14 +169,11 @@ async def test_done_callbacks_run_on_the_loop_that_registered_them(faults):
         assert seen["loop"] is here and "removed" not in seen
         assert seen["thread"].name.startswith("kvoffload"), seen["thread"].name  # where the transfer ended
         # registered after the end: on the loop, soon (as asyncio's futures do), not inline
-        late = []
-        t.add_done_callback(lambda tr: late.append(threading.current_thread()))
+        late: list[threading.Thread] = []
+        late_ran = asyncio.Event()
+        t.add_done_callback(lambda tr: (late.append(threading.current_thread()), late_ran.set()))
         assert late == []
-        await asyncio.sleep(0)
-        for _ in range(100):
-            if late:
-                break
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(late_ran.wait(), 10)
         assert late == [here]
 
 

@@ -87,8 +87,15 @@ def test_served_example_caches_prefixes_and_survives_hang_ups_and_deadlines(serv
 
         # 2. A deadline passes while the load is held: 504, sent once the transfer stopped.
         gate = faults.gate(service.off, "to_device")
-        threading.Timer(0.5, gate.open).start()
+
+        def open_once_the_deadline_passed() -> None:
+            spin_until(lambda: service.abandoned["deadline"] == 1, what="the server gave up at the deadline")
+            gate.open()
+
+        opener = threading.Thread(target=open_once_the_deadline_passed)
+        opener.start()
         r = client.post("/generate", json={"tokens": tokens, "deadline_s": 0.05})
+        opener.join()
         assert r.status_code == 504 and gate.in_flight == 0
         assert service.off.stats().cancelled == 2 and service.abandoned["deadline"] == 1
         assert_nothing_leaked(service)
