@@ -94,10 +94,40 @@ async def test_per_tensor_load_hands_over_layer_by_layer():
         assert torch.equal(caches["layer.0"].flip(0), orig["layer.0"]), "wait_tensor returned before its layer landed"
         await load
         torch.cuda.synchronize()
-        assert torch.equal(first_sum, orig["layer.0"].float().sum())
+        assert torch.equal(first_sum, orig["layer.0"].flip(0).float().sum()), "the side stream ran before layer 0 landed"
         for n in caches:
             assert torch.equal(caches[n].flip(0), orig[n]), n
         await load.wait_tensor("layer.31")  # after the end: at once
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("engine", ["kernel", "kernel with 8 CTAs", "DMA"])
+async def test_per_tensor_loads_of_any_layout_are_exact(monkeypatch, engine):
+    """Per-tensor loads of strided views (two 80-byte pieces per block, not 16-byte aligned) and of
+    rows of a wider buffer, more blocks than one launch takes, in random order: every tensor
+    lands byte for byte, each by its own event, and nothing outside the views is written."""
+    if engine == "DMA":
+        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randint(-2**15, 2**15, (2, 1200, 4, 10), generator=g, dtype=torch.int16).cuda()
+    wide = torch.randint(-2**31, 2**31, (2400, 33), generator=g, dtype=torch.int32).cuda()
+    caches = {"kv": kv.transpose(0, 1), "rows": wide[1::2]}
+    orig = {n: t.clone() for n, t in caches.items()}
+    wide_other = wide[0::2].clone()
+    n = 1000  # two launches of the scatter per tensor
+    src = torch.randperm(1200, generator=g).tolist()[:n]
+    dst = torch.randperm(1200, generator=g).tolist()[:n]
+    async with kvoffload.Offloader(caches, host_blocks=n, num_blocks=1200, gather_ctas=8 if "8 CTAs" in engine else 0) as off:
+        await off.store({i: src[i] for i in range(n)})
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        load = off.load({i: dst[i] for i in range(n)}, per_tensor=True)
+        for name in caches:
+            await load.wait_tensor(name)
+            assert same_bytes(caches[name][dst], orig[name][src]), name
+        await load
+    assert torch.equal(wide[0::2], wide_other), "rows outside the view were written"
 
 
 def caches_block(caches):
@@ -238,6 +268,80 @@ async def test_after_event_overrides_current_stream():
         torch.cuda.synchronize()
         for t in caches.values():
             assert bool((t[9].view(torch.uint8) == 0x5C).all())
+
+
+def big_caches(gib: float) -> dict[str, torch.Tensor]:
+    """32 layers of 64 KiB pieces per block, ``gib`` GiB in all, random bf16."""
+    blocks = int(gib * 2**30) // (32 * 2**16)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    return {f"layer.{i}": torch.randn(blocks, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for i in range(32)}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["bulk", "per-tensor"])
+async def test_cancelled_load_skips_every_copy_not_started(per_tensor):
+    """A 4 GiB load enqueued whole, held behind a kernel on the caller's stream, is cancelled before any
+    of its copies started: its kernels read the cancel flag and skip everything, so not one cache byte
+    changes, and nothing is written after the cancellation reached the caller."""
+    caches = big_caches(4.0)
+    orig_last = caches["layer.31"].clone()
+    blocks = next(iter(caches.values())).shape[0]
+    async with kvoffload.Offloader(caches, host_blocks=blocks) as off:
+        await off.store({i: i for i in range(blocks)})
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        gate = torch.cuda.Stream()
+        with torch.cuda.stream(gate):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            load = off.load({i: blocks - 1 - i for i in range(blocks)}, per_tensor=per_tensor)
+        load.cancel()
+        with pytest.raises(kvoffload.TransferCancelled):
+            await load
+        if per_tensor:
+            with pytest.raises(kvoffload.TransferCancelled):
+                await load.wait_tensor("layer.0")
+            assert not load.tensor_done("layer.0")
+        for n, t in caches.items():
+            assert not bool(t.any()), f"{n}: a cancelled copy wrote the cache"
+        # the offloader keeps working: the next load (behind what is left of the cancelled one) is exact
+        await off.load({i: i for i in range(blocks)})
+        torch.cuda.synchronize()
+        assert torch.equal(caches["layer.31"], orig_last)
+
+
+@pytest.mark.asyncio
+async def test_load_cancelled_mid_copy_writes_nothing_after_cancelled_error():
+    """A 4 GiB load cancelled once its copies run: CancelledError reaches the awaiting task only when
+    no copy writes the cache any more (a snapshot taken then still holds once the GPU is idle), part
+    of the load never landed, and the offloader's pins and slots are back."""
+    caches = big_caches(4.0)
+    orig_last = caches["layer.31"].clone()
+    blocks = next(iter(caches.values())).shape[0]
+    async with kvoffload.Offloader(caches, host_blocks=blocks) as off:
+        await off.store({i: i for i in range(blocks)})
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        gate = torch.cuda.Stream()
+        with torch.cuda.stream(gate):
+            torch.cuda._sleep(SLEEP_CYCLES // 10)
+            opened = torch.cuda.Event()
+            opened.record(gate)
+            task = asyncio.ensure_future(off.load({i: i for i in range(blocks)}))
+        while not opened.query():  # the copies start when the gate opens
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        snapshot = {n: t.clone() for n, t in caches.items()}  # on the default stream, after the cancellation
+        torch.cuda.synchronize()
+        s = off.stats()
+        assert s.pending == 0 and s.in_flight == 0
+        assert not torch.equal(snapshot["layer.31"], orig_last), "the whole load landed before the cancel"
+    # closed: every stream has drained
+    for n, t in caches.items():
+        assert torch.equal(t, snapshot[n]), f"{n}: written after CancelledError"
 
 
 @pytest.mark.asyncio

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ._core.worker_loop import WorkerLoop
+from ._core.errors import TransferCancelled
 from ._core.offloader import Offloader
 
 __all__ = ["main", "Layout"]
@@ -637,6 +638,43 @@ def first_layer_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
             note="ceiling = the bulk load of the same blocks")
 
 
+def cancel_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device) -> None:
+    """A large load cancelled a few ms into its copies: time from ``cancel()`` to the transfer ending
+    cancelled, against the whole load."""
+    n = lay.blocks_for(gib)
+    rep.begin(f"cancellation: {n * lay.block_bytes / 2**30:.2f} GiB loads cancelled mid-copy")
+    caches = lay.cache(n, dev)
+
+    async def run() -> tuple[float, float]:
+        async with Offloader(caches, host_blocks=n) as off:
+            await off.store({i: i for i in range(n)})
+            whole, latencies = float("inf"), []
+            for _ in range(3):
+                _sync(dev)
+                t0 = time.perf_counter()
+                await off.load({i: n - 1 - i for i in range(n)})
+                whole = min(whole, time.perf_counter() - t0)
+            for _ in range(5):
+                _sync(dev)
+                t = off.load({i: n - 1 - i for i in range(n)})
+                await asyncio.sleep(whole / 10)  # a tenth of the way in
+                t0 = time.perf_counter()
+                t.cancel()
+                try:
+                    await t
+                except TransferCancelled:
+                    latencies.append(time.perf_counter() - t0)
+            return whole, statistics.median(latencies) if latencies else float("nan")
+
+    whole, latency = asyncio.run(run())
+    rep.extra["cancel"] = {"whole_load_s": whole, "cancel_to_end_s": latency}
+    if latency != latency:  # NaN
+        print("    (every load finished before its cancel: nothing to report)", flush=True)
+        return
+    rep.row("load cancelled mid-copy: cancel() to end", "ms", latency * 1e3, whole * 1e3, None,
+            note="median of 5; ceiling = the whole load")
+
+
 def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, steps: int = 150, python_ms: float = 3.0) -> None:
     """A synthetic serving step, with and without offloading; reports step-time inflation.
 
@@ -840,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,compute,disk,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,cancel,compute,disk,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -853,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
     gpu_only = {"layouts", "layers", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "layers", "compute", "disk", "small", "engine", "latency") if s not in skip | gpu_only]
+    todo = [s for s in ("host", "busy", "layouts", "layers", "cancel", "compute", "disk", "small", "engine", "latency")
+            if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -870,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
         layout_scenarios(rep, min(gib, 1.0), dev, base)
     if "layers" in todo:
         first_layer_scenario(rep, lay, min(gib, 1.0), dev)
+    if "cancel" in todo:
+        cancel_scenario(rep, lay, 4.0 if cuda else min(gib, 0.25), dev)
     if "compute" in todo:
         under_compute_scenarios(rep, lay, min(gib, 0.5), dev, args.busy_seconds)
     if "disk" in todo:

@@ -9,8 +9,10 @@ copier fills host-tier slots and disk bounce buffers alike.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +42,14 @@ class BlockCopier(Protocol):
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
         """Copy host rows into cache blocks; returns a completion event or None."""
+        ...
+
+    def take_cancel_flag(self) -> Any:
+        """A cancel flag for one load's copies (see :meth:`stops_on`), or None: no early cancellation."""
+        ...
+
+    def stops_on(self, flag: Any) -> AbstractContextManager[None]:
+        """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
         ...
 
     def close(self) -> None:
@@ -73,6 +83,13 @@ class CpuBlockCopier:
 
     def wait_for(self, event: Any) -> None:
         pass
+
+    def take_cancel_flag(self) -> None:
+        """None: CPU copies are made one chunk at a time by the worker, which stops between chunks."""
+        return None
+
+    def stops_on(self, flag: Any) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         if self._memcpy is not None:

@@ -22,6 +22,7 @@ Either way, what a transfer's foreign calls raise is turned into
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -88,6 +89,8 @@ class Enqueued:
 
     events: list[Any]
     error: Exception | None
+    cancel_flag: Any = None
+    """A GPU load's :class:`~.cuda.cancel_flags.CancelFlag`: raised on cancel, its kernels skip the rest."""
 
     def settle(self) -> None:
         """Block until every submitted copy has completed (a cleanup path: never raises)."""
@@ -194,35 +197,84 @@ class CopyWorker:
         For GPU caches this only enqueues work on the copier's streams, so the
         copies run with no Python step between them, whatever the calling
         thread or the worker loop do meanwhile. Stops at the first error.
+        A load of several chunks gets a cancel flag (:meth:`_stop_early`).
         """
         events: list[Any] = []
-        with self._submit_lock:
-            try:
-                if after is not None:
-                    self.copier.wait_for(after)
-                for r in requests:
-                    events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
-            except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
-                return Enqueued(events, e)
-        return Enqueued(events, None)
+
+        def submit() -> None:
+            for r in requests:
+                events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
+
+        flag = self.copier.take_cancel_flag() if self.kind == "load" and len(requests) > 1 else None
+        return Enqueued(events, self._enqueue(after, flag, submit), flag)
 
     def enqueue_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any) -> Enqueued:
         """Like :meth:`enqueue` for a load with per-tensor completion (GPU copier only): one event per
         tensor, in ``kv_caches`` order."""
+        events: list[Any] = []
+
+        def submit() -> None:
+            events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids))  # type: ignore[attr-defined]
+
+        flag = self.copier.take_cancel_flag()
+        return Enqueued(events, self._enqueue(after, flag, submit), flag)
+
+    def _enqueue(self, after: Any, flag: Any, submit: Callable[[], None]) -> Exception | None:
+        """Run ``submit`` under the submit lock, after ``after``, its kernels reading ``flag``; what it raised."""
         with self._submit_lock:
             try:
                 if after is not None:
                     self.copier.wait_for(after)
-                events = call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids)  # type: ignore[attr-defined]
-            except Exception as e:
-                return Enqueued([], e)
-        return Enqueued(list(events), None)
+                with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
+                    submit()
+            except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
+                return e
+        return None
 
     # -- quick transfers ------------------------------------------------------------------------
 
     def start_quick(self, job: QuickJob) -> None:
         """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn."""
         self.loop.mailbox.post(self._arrive, job)
+        if job.enqueued is not None and job.enqueued.cancel_flag is not None:
+            job.transfer._set_canceller(functools.partial(self._stop_early, job))
+
+    def _stop_early(self, job: QuickJob) -> None:
+        """The transfer's canceller (any thread): raise its cancel flag, so that its kernels skip
+        what they have not started, and have the worker end it once the copy running now is done."""
+        assert job.enqueued is not None
+        try:
+            job.enqueued.cancel_flag.raise_flag()
+            self.loop.mailbox.post(self._end_early, job)
+        except Exception:  # a failed device, a stopping worker: the job ends with its last copy
+            log.debug("%s: could not stop a transfer early", self.loop.name, exc_info=True)
+
+    def _end_early(self, job: QuickJob) -> None:
+        """(On the loop.) Once the flag is raised on the device, every copy not complete by then reads it
+        before it starts, except the first of them: end ``job`` cancelled once that one completes."""
+        if job.ended:
+            return
+        assert job.enqueued is not None
+        raised = job.enqueued.cancel_flag.raised
+        if raised is None:  # raising failed (a failed device): the job ends with its last copy
+            return
+        if not raised.query():  # the flag is raised on the device within microseconds
+            self.loop.loop.call_later(1e-4, self._end_early, job)
+            return
+        for event in job.enqueued.events:
+            if event is not None and not event.query():
+                self._end_when_complete(job, event)
+                return
+
+    def _end_when_complete(self, job: QuickJob, event: Any) -> None:
+        """Poll ``event`` every 0.1 ms, then end ``job`` cancelled. (The bridge cannot watch it: it
+        follows events in the order they were watched, and the job's last one came first.)"""
+        if job.ended:
+            return
+        if event.query():
+            self._end(job, cancelled=True)
+        else:
+            self.loop.loop.call_later(1e-4, self._end_when_complete, job, event)
 
     def _arrive(self, job: QuickJob) -> None:
         self._live.add(job)
@@ -298,9 +350,10 @@ class CopyWorker:
         try:
             self._follow(job)
         except BaseException as e:
+            assert job.enqueued is not None
+            job.enqueued.settle()
+            self._release_flag(job)
             if not job.ended:
-                assert job.enqueued is not None
-                job.enqueued.settle()
                 self._end(job, exc=e)
 
     def _follow(self, job: QuickJob) -> None:
@@ -308,6 +361,7 @@ class CopyWorker:
         assert job.enqueued is not None
         events = job.enqueued.events
         if not events:  # nothing was submitted: nothing landed
+            self._release_flag(job)
             self._copies_done(job)
             return
         first = 0 if job.steps.reports_landings else len(events) - 1
@@ -319,10 +373,12 @@ class CopyWorker:
 
     def _land(self, job: QuickJob, i: int, _: object) -> None:
         """Copy ``i`` of ``job`` completed (so did those before it)."""
-        if job.ended:
-            return
         assert job.enqueued is not None
         events = job.enqueued.events
+        if i == len(events) - 1:  # no kernel reads the flag any more (even if the job ended early)
+            self._release_flag(job)
+        if job.ended:
+            return
         if job.steps.reports_landings and not job.transfer._cancel_requested:
             while job.next_landing <= i:
                 job.next_landing += 1
@@ -334,6 +390,12 @@ class CopyWorker:
                     return
         if i == len(events) - 1:
             self._copies_done(job)
+
+    @staticmethod
+    def _release_flag(job: QuickJob) -> None:
+        assert job.enqueued is not None
+        if job.enqueued.cancel_flag is not None:
+            job.enqueued.cancel_flag.release()
 
     def _copies_done(self, job: QuickJob) -> None:
         """Every submitted copy of ``job`` has completed: end it cancelled, failed or done."""

@@ -22,20 +22,26 @@ buffers used in turn. Events order each buffer's reuse. Small chunks (at most
 ``direct_max_copies`` pieces, e.g. one or a few blocks) are copied directly,
 one batched descriptor per (tensor, block).
 
+A load consumed tensor by tensor (``to_device_by_tensor``) skips staging: one
+launch per tensor scatters its pieces straight from the host slots, which the
+SMs read through the slab's device mapping.
+
 Completion events: a store chunk completes on the copy stream, a load chunk on
 the kernel stream, so each direction's completions arrive in submission order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..layout import BlockLayout, runs
-from .driver import BatchCopy, DriverEvent, enqueue_calls
+from .cancel_flags import CancelFlag, CancelFlags
+from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
 from .kernels import piece_kernel
 
 __all__ = ["CudaBlockCopier"]
@@ -80,6 +86,10 @@ class CudaBlockCopier:
         self._copy = BatchCopy(use_batch=use_batch_copy)
         self._kernel = piece_kernel(self._device_index)
         self._max_ctas = gather_ctas
+        self._tensor_spans = self._tensor_pieces()
+        self._host_addresses: dict[int, int] = {}  # host slab address -> its device mapping
+        self._flags = CancelFlags(layout.device) if self._kernel is not None else None
+        self._cancel = (0, 0)  # the cancel flag of the copies being enqueued (address, generation), see stops_on
         self.direct_max_copies = 128
         # Per tensor: base address and bytes per block, for direct descriptors; the same on the GPU for the kernel.
         self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
@@ -110,8 +120,23 @@ class CudaBlockCopier:
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)
 
+    def take_cancel_flag(self) -> CancelFlag | None:
+        """A flag for one load's copies (:meth:`stops_on`); None without the copy kernel or when all are in use."""
+        return self._flags.take() if self._flags is not None else None
+
+    @contextmanager
+    def stops_on(self, flag: CancelFlag) -> Iterator[None]:
+        """Loads enqueued inside skip their writes to the cache once ``flag`` is raised: each chunk is
+        scattered by the kernel (never direct DMA), which reads the flag before each piece.
+        Callers hold the worker's submit lock."""
+        self._cancel = (flag.address, flag.generation)
+        try:
+            yield
+        finally:
+            self._cancel = (0, 0)
+
     def _direct(self, nblocks: int) -> bool:
-        return nblocks * len(self._pieces) <= self.direct_max_copies
+        return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
 
     def _direct_dma(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         """One descriptor per (tensor, block) between cache and host slots, no staging."""
@@ -165,7 +190,7 @@ class CudaBlockCopier:
         if self._kernel is not None:
             self._kernel.launch(
                 self._kstream, self._tables, len(self._pieces), staging.data_ptr(), self._layout.slot_bytes,
-                list(block_ids), gather, self._max_ctas,
+                list(block_ids), gather, self._max_ctas, self._cancel,
             )
             return
         n = len(block_ids)
@@ -214,10 +239,16 @@ class CudaBlockCopier:
         return done
 
     def to_device_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> list[DriverEvent]:
-        """Copy host rows into cache blocks tensor by tensor, in ``kv_caches`` order, on the copy
-        stream: one batched copy of every piece of a tensor (no staging), then an event. Returns
-        one completion event per tensor, so that layer ``i`` can be used while later ones load."""
+        """Copy host rows into cache blocks tensor by tensor, in ``kv_caches`` order, then an event
+        per tensor, so that layer ``i`` can be used while later ones load.
+
+        With the NVRTC kernel, each tensor is one launch whose SMs read the host slots through
+        their device mapping: enqueueing costs microseconds per tensor, so the first tensor starts
+        moving at once. Without it, one batched DMA of every piece of the tensor (the driver takes
+        about a microsecond per piece to enqueue, so later tensors wait on the enqueueing)."""
         self._calls.ensure_context(self._device_index)
+        if self._kernel is not None:
+            return self._scatter_by_tensor(host, rows, block_ids)
         ids = np.asarray(block_ids, dtype=np.uint64)
         hr = np.asarray(rows, dtype=np.uint64)
         # [piece, block] addresses for every piece at once; each tensor takes its rows of pieces
@@ -225,15 +256,37 @@ class CudaBlockCopier:
         host_addrs = host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]
         sizes = np.repeat(self._piece_bytes[:, None], len(ids), axis=1)
         events: list[DriverEvent] = []
+        for pieces in self._tensor_spans:
+            sel = slice(pieces.start, pieces.stop)
+            self._copy(cache_addrs[sel].ravel(), host_addrs[sel].ravel(), sizes[sel].ravel(), self._cstream)
+            events.append(self._record(self._cstream))
+        return events
+
+    def _scatter_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> list[DriverEvent]:
+        assert self._kernel is not None
+        address = self._host_addresses.get(host.data_ptr())
+        if address is None:
+            address = self._host_addresses[host.data_ptr()] = host_device_address(host.data_ptr(), self._device_index)
+        scatter = self._kernel.scatter_from_host(
+            self._tables, address, self._layout.slot_bytes, block_ids, rows, self._max_ctas, self._cancel,
+        )
+        events: list[DriverEvent] = []
+        for pieces in self._tensor_spans:
+            scatter.launch(self._kstream, pieces)
+            events.append(self._record(self._kstream))
+        return events
+
+    def _tensor_pieces(self) -> list[range]:
+        """Each tensor's pieces (consecutive columns of the tables), in ``kv_caches`` order."""
+        spans: list[range] = []
         i = 0
         while i < len(self._pieces):
             j = i
             while j < len(self._pieces) and self._pieces[j].name == self._pieces[i].name:
                 j += 1
-            self._copy(cache_addrs[i:j].ravel(), host_addrs[i:j].ravel(), sizes[i:j].ravel(), self._cstream)
-            events.append(self._record(self._cstream))
+            spans.append(range(i, j))
             i = j
-        return events
+        return spans
 
     def close(self) -> None:
         self.kernel_stream.synchronize()
@@ -241,3 +294,6 @@ class CudaBlockCopier:
         self._staging = []
         self._staging_free = [None, None]
         self._rows = []
+        if self._flags is not None:
+            self._flags.close()
+            self._flags = None

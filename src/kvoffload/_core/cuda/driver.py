@@ -94,11 +94,21 @@ def context_for(device_index: int) -> Iterator[None]:
 
 
 def host_register(ptr: int, nbytes: int, device_index: int) -> None:
-    """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts)."""
+    """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts), and map it into the
+    device's address space so that kernels can read it (:func:`host_device_address`)."""
     cu = driver()
     with context_for(device_index):
-        (err,) = cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+        (err,) = cu.cuMemHostRegister(ptr, nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP)
     check("cuMemHostRegister", err)
+
+
+def host_device_address(ptr: int, device_index: int) -> int:
+    """The address through which kernels on ``device_index`` reach registered host memory at ``ptr``."""
+    cu = driver()
+    with context_for(device_index):
+        err, dptr = cu.cuMemHostGetDevicePointer(ptr, 0)
+    check("cuMemHostGetDevicePointer", err)
+    return int(dptr)
 
 
 def host_unregister(ptr: int, device_index: int) -> None:
@@ -241,6 +251,7 @@ class EnqueueCalls:
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
+        self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
 
     def ensure_context(self, device_index: int) -> None:

@@ -1,5 +1,6 @@
-"""A copy kernel compiled at run time with NVRTC: one launch gathers a chunk's pieces into a
-staging buffer laid out like host slots, or scatters them back.
+"""Copy kernels compiled at run time with NVRTC: one launch gathers a chunk's pieces into a
+staging buffer laid out like host slots, or scatters them back; another scatters one
+tensor's pieces straight from host slots (per-tensor loads).
 
 torch needs one launch per tensor per chunk (a 32-layer cache: 32 launches, each releasing
 and retaking the GIL). This kernel moves every (block, tensor) piece of up to
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -21,31 +23,24 @@ import torch
 
 from .driver import check, context_for, driver, enqueue_calls
 
-__all__ = ["MAX_BLOCKS", "PieceKernel", "piece_kernel"]
+__all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "PieceKernel", "piece_kernel"]
 
 log = logging.getLogger("kvoffload")
 
 MAX_BLOCKS = 960
 """Block ids per launch: they travel in the kernel's parameters (4 KiB at most)."""
+MAX_PAIRS = 480
+"""(block id, host row) pairs per launch of the host-to-cache scatter (both arrays in the parameters)."""
 THREADS = 256
 
 SOURCE = r"""
 struct Blocks { int n; int first; int ids[%(max_blocks)d]; };
+struct Pairs { int n; int ids[%(max_pairs)d]; int rows[%(max_pairs)d]; };
 struct __align__(16) Word { unsigned long long lo, hi; };
 
-extern "C" __global__ void move_pieces(
-    const unsigned long long* __restrict__ bases,    // per tensor: address of block 0 in the cache
-    const unsigned long long* __restrict__ sizes,    // per tensor: bytes per block
-    const unsigned long long* __restrict__ offsets,  // per tensor: offset of its piece in a slot
-    const unsigned long long* __restrict__ strides,  // per tensor: bytes from one block's piece to the next
-    int tensors, unsigned long long staging, unsigned long long slot_bytes, int gather, Blocks blocks)
+// One CTA copies one piece: 16-byte words where the piece, its source and its destination allow, bytes otherwise.
+__device__ void copy_piece(unsigned long long src, unsigned long long dst, unsigned long long len)
 {
-    for (int piece = blockIdx.x; piece < blocks.n * tensors; piece += gridDim.x) {
-    int i = piece / tensors, t = piece - i * tensors;
-    unsigned long long len = sizes[t];
-    unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * strides[t];
-    unsigned long long slot = staging + (unsigned long long)(blocks.first + i) * slot_bytes + offsets[t];
-    unsigned long long src = gather ? cache : slot, dst = gather ? slot : cache;
     if (((src | dst | len) & 15ull) == 0) {
         const Word* s = (const Word*)src;
         Word* d = (Word*)dst;
@@ -55,13 +50,61 @@ extern "C" __global__ void move_pieces(
         unsigned char* d = (unsigned char*)dst;
         for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
     }
+}
+
+// True once the transfer's cancel flag (device memory; 0: none) holds its generation. Thread 0
+// reads it and tells the CTA, so all threads leave the loop together.
+__device__ bool stop_requested(const volatile int* cancel, int generation)
+{
+    __shared__ int stop;
+    __syncthreads();
+    if (threadIdx.x == 0) stop = cancel != 0 && *cancel == generation;
+    __syncthreads();
+    return stop != 0;
+}
+
+// Cache blocks <-> staging rows first..first+n-1, every tensor's piece.
+extern "C" __global__ void move_pieces(
+    const unsigned long long* __restrict__ bases,    // per tensor: address of block 0 in the cache
+    const unsigned long long* __restrict__ sizes,    // per tensor: bytes per block
+    const unsigned long long* __restrict__ offsets,  // per tensor: offset of its piece in a slot
+    const unsigned long long* __restrict__ strides,  // per tensor: bytes from one block's piece to the next
+    int tensors, unsigned long long staging, unsigned long long slot_bytes, int gather,
+    const volatile int* cancel, int generation, Blocks blocks)
+{
+    for (int piece = blockIdx.x; piece < blocks.n * tensors; piece += gridDim.x) {
+        if (stop_requested(cancel, generation)) return;
+        int i = piece / tensors, t = piece - i * tensors;
+        unsigned long long cache = bases[t] + (unsigned long long)blocks.ids[i] * strides[t];
+        unsigned long long slot = staging + (unsigned long long)(blocks.first + i) * slot_bytes + offsets[t];
+        copy_piece(gather ? cache : slot, gather ? slot : cache, sizes[t]);
     }
 }
-""" % {"max_blocks": MAX_BLOCKS}
+
+// Host slots (read through their device mapping) -> cache blocks, pieces first_piece..first_piece+pieces-1 only.
+extern "C" __global__ void scatter_from_host(
+    const unsigned long long* __restrict__ bases, const unsigned long long* __restrict__ sizes,
+    const unsigned long long* __restrict__ offsets, const unsigned long long* __restrict__ strides,
+    int first_piece, int pieces, unsigned long long host, unsigned long long slot_bytes,
+    const volatile int* cancel, int generation, Pairs pairs)
+{
+    for (int k = blockIdx.x; k < pairs.n * pieces; k += gridDim.x) {
+        if (stop_requested(cancel, generation)) return;
+        int i = k / pieces, t = first_piece + (k - i * pieces);
+        unsigned long long cache = bases[t] + (unsigned long long)pairs.ids[i] * strides[t];
+        unsigned long long slot = host + (unsigned long long)pairs.rows[i] * slot_bytes + offsets[t];
+        copy_piece(slot, cache, sizes[t]);
+    }
+}
+""" % {"max_blocks": MAX_BLOCKS, "max_pairs": MAX_PAIRS}
 
 
 class _Blocks(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("first", ctypes.c_int), ("ids", ctypes.c_int * MAX_BLOCKS)]
+
+
+class _Pairs(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int), ("ids", ctypes.c_int * MAX_PAIRS), ("rows", ctypes.c_int * MAX_PAIRS)]
 
 
 class PieceKernel:
@@ -81,25 +124,28 @@ class PieceKernel:
             check("cuModuleLoadData", err)
             err, func = cu.cuModuleGetFunction(self._module, b"move_pieces")
             check("cuModuleGetFunction", err)
-        self._func = int(func)
+            err, scatter = cu.cuModuleGetFunction(self._module, b"scatter_from_host")
+            check("cuModuleGetFunction", err)
+        self._func, self._scatter = int(func), int(scatter)
         self._calls = enqueue_calls()
 
     def launch(
         self, stream: int, tables: torch.Tensor, tensors: int, staging: int, slot_bytes: int,
-        block_ids: list[int], gather: bool, max_ctas: int = 0,
+        block_ids: list[int], gather: bool, max_ctas: int = 0, cancel: tuple[int, int] = (0, 0),
     ) -> None:
         """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
 
         ``tables`` is a CUDA ``uint64[4, pieces]`` tensor: base addresses, bytes per block,
         offsets in a slot, bytes between blocks. ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving
-        SMs to other kernels at some cost in speed.
+        SMs to other kernels at some cost in speed. ``cancel``: a cancel flag's device address and
+        generation (address 0: none); once the flag holds the generation, pieces not yet started are skipped.
         """
         base = tables.data_ptr()
         row = 8 * tables.shape[1]
         args: list[Any] = [
             ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
             ctypes.c_uint64(base + 3 * row), ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
-            _Blocks(),
+            ctypes.c_uint64(cancel[0]), ctypes.c_int(cancel[1]), _Blocks(),
         ]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         blocks = args[-1]
@@ -111,6 +157,55 @@ class PieceKernel:
             err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, params, None)
             if err:
                 check("cuLaunchKernel(move_pieces)", err)
+
+
+    def scatter_from_host(
+        self, tables: torch.Tensor, host: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int],
+        max_ctas: int = 0, cancel: tuple[int, int] = (0, 0),
+    ) -> HostScatter:
+        """Prepare copies from host slots ``rows`` (``host``: the slab's device-mapped address) into
+        cache blocks ``block_ids``, to be launched tensor by tensor (:meth:`HostScatter.launch`).
+
+        The SMs read host memory over the bus: no staging buffer and no copy descriptor per piece,
+        so a tensor of a large load costs one launch (or one per :data:`MAX_PAIRS` blocks).
+        ``tables``, ``max_ctas`` and ``cancel`` as for :meth:`launch`.
+        """
+        return HostScatter(self._scatter, self._calls, tables, host, slot_bytes, block_ids, rows, max_ctas, cancel)
+
+
+class HostScatter:
+    """One load's host-to-cache scatter, its parameters built once and launched per tensor."""
+
+    def __init__(
+        self, func: int, calls: Any, tables: torch.Tensor, host: int, slot_bytes: int, block_ids: Sequence[int],
+        rows: Sequence[int], max_ctas: int, cancel: tuple[int, int],
+    ) -> None:
+        self._func, self._calls, self._max_ctas = func, calls, max_ctas
+        base = tables.data_ptr()
+        row = 8 * tables.shape[1]
+        self._first_piece, self._pieces = ctypes.c_int(0), ctypes.c_int(0)
+        self._params = []
+        for first in range(0, len(block_ids), MAX_PAIRS):  # one parameter set per launch of a tensor
+            n = min(MAX_PAIRS, len(block_ids) - first)
+            pairs = _Pairs()
+            pairs.n = n
+            pairs.ids[:n] = block_ids[first : first + n]
+            pairs.rows[:n] = rows[first : first + n]
+            args: list[Any] = [
+                ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
+                ctypes.c_uint64(base + 3 * row), self._first_piece, self._pieces,
+                ctypes.c_uint64(host), ctypes.c_uint64(slot_bytes), ctypes.c_uint64(cancel[0]), ctypes.c_int(cancel[1]), pairs,
+            ]
+            self._params.append((n, args, (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])))
+
+    def launch(self, stream: int, pieces: range) -> None:
+        """Enqueue the copies of ``pieces`` (columns of the tables: one tensor's) on ``stream``."""
+        self._first_piece.value, self._pieces.value = pieces.start, len(pieces)
+        for n, _args, params in self._params:
+            ctas = n * len(pieces) if self._max_ctas <= 0 else min(self._max_ctas, n * len(pieces))
+            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, params, None)
+            if err:
+                check("cuLaunchKernel(scatter_from_host)", err)
 
 
 def _compile(source: str, arch: str) -> bytes:

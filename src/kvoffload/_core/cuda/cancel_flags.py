@@ -1,0 +1,92 @@
+"""Cancel flags the copy kernels read: how a load enqueued whole stops without a Python step.
+
+A large GPU load is enqueued whole at call time, so once it runs no Python code sits
+between its chunks. To stop it, each of its kernels gets the address of a flag in
+device memory and the flag's current *generation*, and skips the pieces it has not
+started once the flag holds that generation. Raising a flag enqueues a one-word
+``cuMemsetD32Async`` on a high-priority stream of its own, from whatever thread
+cancels; it runs within microseconds even beside busy copy streams and compute.
+
+Why device memory: kernels that read a flag in mapped host memory slowed bulk loads from
+50 to 30 GB/s on an H200, each CTA's read waiting behind the load's own traffic on the bus.
+
+Generations make reuse safe without resetting: a flag taken again gets a new generation,
+so a raise still queued for its previous user writes a value the new kernels ignore.
+A flag stays taken until the last kernel that reads it has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .driver import DriverEvent, check, enqueue_calls
+
+__all__ = ["CancelFlag", "CancelFlags"]
+
+
+class CancelFlag:
+    """One taken flag: :attr:`address` and :attr:`generation` for the kernels, :meth:`raise_flag` to stop them."""
+
+    __slots__ = ("_pool", "_index", "address", "generation", "raised")
+
+    def __init__(self, pool: CancelFlags, index: int, address: int, generation: int) -> None:
+        self._pool = pool
+        self._index = index
+        self.address = address
+        self.generation = generation
+        self.raised: DriverEvent | None = None
+        """Completes once the flag is raised on the device (None until :meth:`raise_flag`)."""
+
+    def raise_flag(self) -> None:
+        """From any thread: kernels of this transfer that start once :attr:`raised` completed skip their pieces."""
+        self.raised = self._pool._raise(self)
+
+    def release(self) -> None:
+        """Back to the pool (the kernels that read it have all completed). Idempotent."""
+        self._pool._release(self)
+
+
+class CancelFlags:
+    """A pool of ``count`` flags in one small device tensor."""
+
+    def __init__(self, device: torch.device, count: int = 1024) -> None:
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._values = torch.zeros(count, dtype=torch.int32, device=device)
+        self._base = self._values.data_ptr()
+        self._stream = torch.cuda.Stream(device=device, priority=-1)
+        self._calls = enqueue_calls()
+        self._lock = threading.Lock()
+        self._generations = [0] * count
+        self._free = list(range(count - 1, -1, -1))
+        self._taken: set[int] = set()
+
+    def take(self) -> CancelFlag | None:
+        """A flag with a new generation, or None when every flag is in use."""
+        with self._lock:
+            if not self._free:
+                return None
+            i = self._free.pop()
+            self._taken.add(i)
+            generation = self._generations[i] = self._generations[i] % 0x7FFFFFFE + 1
+        return CancelFlag(self, i, self._base + 4 * i, generation)
+
+    def _raise(self, flag: CancelFlag) -> DriverEvent:
+        self._calls.ensure_context(self._device_index)
+        stream = self._stream.cuda_stream
+        err = self._calls.memset_d32(flag.address, flag.generation, 1, stream)
+        if err:
+            check("cuMemsetD32Async", err)
+        return DriverEvent(self._device_index).record(stream)
+
+    def _release(self, flag: CancelFlag) -> None:
+        with self._lock:
+            if flag._index in self._taken:
+                self._taken.discard(flag._index)
+                self._free.append(flag._index)
+
+    def close(self) -> None:
+        """Wait for raises still queued, then free the flags (no kernel may still read one)."""
+        self._stream.synchronize()
+        self._values = torch.zeros(0, dtype=torch.int32)
