@@ -107,6 +107,8 @@ class Transfer:
 
         Returns at once; the transfer ends cancelled after the copies already
         queued on a stream or an IO thread have finished, unless it completes first.
+        A GPU load of several chunks ends once the chunk copying now has finished:
+        its later copy kernels skip their work.
         """
         with self._lock:
             if self._state != _PENDING:

@@ -26,6 +26,9 @@ A load consumed tensor by tensor (``to_device_by_tensor``) skips staging: one
 launch per tensor scatters its pieces straight from the host slots, which the
 SMs read through the slab's device mapping.
 
+A load enqueued inside ``stops_on(flag)`` is always staged, so that every chunk's writes
+to the cache are made by a kernel that reads its cancel flag (``cancel_flags.py``).
+
 Completion events: a store chunk completes on the copy stream, a load chunk on
 the kernel stream, so each direction's completions arrive in submission order.
 """
