@@ -270,6 +270,27 @@ async def test_after_event_overrides_current_stream():
             assert bool((t[9].view(torch.uint8) == 0x5C).all())
 
 
+@pytest.mark.asyncio
+async def test_an_expedited_load_does_not_wait_behind_a_bulk_load():
+    """A one-block expedited load completes while a bulk load is still held behind a kernel on the
+    caller's stream (on the load worker's streams, a regular load would wait for it); then the bulk
+    load lands too, both byte for byte."""
+    caches = gpu_caches(64, seed=71)
+    orig = {n: t.clone() for n, t in caches.items()}
+    async with kvoffload.Offloader(caches, host_blocks=64, chunk_bytes=4 * caches_block(caches), expedited_loads=True) as off:
+        await off.store({i: i for i in range(32)})
+        gate = torch.cuda.Stream()
+        with torch.cuda.stream(gate):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            bulk = off.load({i: 32 + i for i in range(31)})
+        quick = await off.load({31: 63}, expedited=True)
+        assert quick.keys == (31,) and not bulk.done(), "the expedited load waited for the bulk one"
+        await bulk
+        torch.cuda.synchronize()
+    for n in caches:
+        assert same_bytes(caches[n][32:64], orig[n][0:32]), n
+
+
 def big_caches(gib: float) -> dict[str, torch.Tensor]:
     """32 layers of 64 KiB pieces per block, ``gib`` GiB in all, random bf16."""
     blocks = int(gib * 2**30) // (32 * 2**16)

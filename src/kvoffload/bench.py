@@ -638,6 +638,32 @@ def first_layer_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
             note="ceiling = the bulk load of the same blocks")
 
 
+def expedited_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device) -> None:
+    """A one-block load issued right behind a bulk load: how long it takes, expedited or not."""
+    n = lay.blocks_for(gib)
+    rep.begin(f"expedited loads: one block behind a {n * lay.block_bytes / 2**30:.2f} GiB load")
+    caches = lay.cache(n + 1, dev)
+
+    async def run() -> tuple[float, float]:
+        async with Offloader(caches, host_blocks=n + 1, expedited_loads=True) as off:
+            await off.store({i: i for i in range(n + 1)})
+            best = {True: float("inf"), False: float("inf")}
+            for _ in range(3):
+                for expedited in (False, True):
+                    _sync(dev)
+                    bulk = off.load({i: i for i in range(n)})
+                    t0 = time.perf_counter()
+                    await off.load({n: n}, expedited=expedited)
+                    best[expedited] = min(best[expedited], time.perf_counter() - t0)
+                    await bulk
+            return best[True], best[False]
+
+    fast, slow = asyncio.run(run())
+    rep.extra["expedited"] = {"expedited_s": fast, "regular_s": slow}
+    rep.row("one-block load behind a bulk load, expedited", "ms", fast * 1e3, slow * 1e3, None,
+            note="ceiling = the same load not expedited")
+
+
 def cancel_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device) -> None:
     """A large load cancelled a few ms into its copies: time from ``cancel()`` to the transfer ending
     cancelled, against the whole load."""
@@ -878,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,cancel,compute,disk,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -890,8 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = Layout(args.layout)
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
-    gpu_only = {"layouts", "layers", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "layers", "cancel", "compute", "disk", "small", "engine", "latency")
+    gpu_only = {"layouts", "layers", "expedited", "compute"} if not cuda else set()
+    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "small", "engine", "latency")
             if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -909,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         layout_scenarios(rep, min(gib, 1.0), dev, base)
     if "layers" in todo:
         first_layer_scenario(rep, lay, min(gib, 1.0), dev)
+    if "expedited" in todo:
+        expedited_scenario(rep, lay, min(gib, 1.0), dev)
     if "cancel" in todo:
         cancel_scenario(rep, lay, 4.0 if cuda else min(gib, 0.25), dev)
     if "compute" in todo:

@@ -115,7 +115,8 @@ class Runtime:
             _live.add(self)
         try:
             _check_host_memory(opts.host_blocks * layout.slot_bytes)
-            for name in ("store", "load", "expedited") if opts.expedited_loads else ("store", "load"):
+            expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
+            for name in ("store", "load", "expedited") if expedited else ("store", "load"):
                 thread = WorkerLoop(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
                 try:
                     copier = make_block_copier(layout, caches, opts, expedited=name == "expedited")
@@ -125,7 +126,7 @@ class Runtime:
                     raise
                 self.workers.append(CopyWorker("store" if name == "store" else "load", thread, copier, bridge, self.copy_calls))
             self.storage = TieredStorage(
-                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if opts.expedited_loads else None), metrics,
+                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
             )
