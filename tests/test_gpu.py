@@ -45,8 +45,8 @@ async def test_round_trip_random_ids(completion, use_batch_copy, chunk_blocks):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("engine", ["kernel", "torch"])
-@pytest.mark.parametrize("blocks", [2, 300])  # direct descriptors; staged through the kernel or torch
+@pytest.mark.parametrize("engine", ["kernel", "torch", "dma"])
+@pytest.mark.parametrize("blocks", [2, 300])  # direct descriptors; staged through the kernel or torch (dma: never staged)
 async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     """A (2, num_blocks, ...) K/V tensor transposed (two pieces per block, 80-byte pieces: not
     16-byte aligned) beside every other row of a larger buffer (blocks two rows apart)."""
@@ -60,7 +60,7 @@ async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     wide_other = wide[0::2].clone()
     src = torch.randperm(600, generator=g).tolist()[:blocks]
     dst = torch.randperm(600, generator=g).tolist()[:blocks]
-    async with kvoffload.Offloader(caches, host_blocks=blocks, num_blocks=600) as off:
+    async with kvoffload.Offloader(caches, host_blocks=blocks, num_blocks=600, copy_engine="dma" if engine == "dma" else "kernel") as off:
         await off.store({i: src[i] for i in range(blocks)})
         for t in caches.values():
             t.zero_()
@@ -101,7 +101,7 @@ async def test_per_tensor_load_hands_over_layer_by_layer():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("engine", ["kernel", "kernel with 8 CTAs", "DMA"])
+@pytest.mark.parametrize("engine", ["kernel", "kernel with 8 CTAs", "DMA", "copy_engine=dma"])
 async def test_per_tensor_loads_of_any_layout_are_exact(monkeypatch, engine):
     """Per-tensor loads of strided views (two 80-byte pieces per block, not 16-byte aligned) and of
     rows of a wider buffer, more blocks than one launch takes, in random order: every tensor
@@ -117,7 +117,8 @@ async def test_per_tensor_loads_of_any_layout_are_exact(monkeypatch, engine):
     n = 1000  # two launches of the scatter per tensor
     src = torch.randperm(1200, generator=g).tolist()[:n]
     dst = torch.randperm(1200, generator=g).tolist()[:n]
-    async with kvoffload.Offloader(caches, host_blocks=n, num_blocks=1200, gather_ctas=8 if "8 CTAs" in engine else 0) as off:
+    async with kvoffload.Offloader(caches, host_blocks=n, num_blocks=1200, gather_ctas=8 if "8 CTAs" in engine else 0,
+                                   copy_engine="dma" if engine == "copy_engine=dma" else "kernel") as off:
         await off.store({i: src[i] for i in range(n)})
         for t in caches.values():
             t.zero_()

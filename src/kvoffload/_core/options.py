@@ -32,6 +32,13 @@ class Options:
     """GPU caches: CTAs per gather/scatter launch; 0 (the default) runs one per piece, the fastest on
     an idle GPU. A small number (8-32) leaves more SMs to the model's kernels and moves less per
     second: ``kvoffload bench`` measures both beside a matmul loop."""
+    copy_engine: Literal["kernel", "dma"] = "kernel"
+    """GPU caches: who copies the pieces of a chunk. ``"kernel"`` (the default): a copy kernel
+    gathers them into a staging buffer that one DMA moves (loads: the reverse), the fastest on an
+    idle GPU for every piece size, and loads stop early when cancelled. ``"dma"``: the copy
+    engines move each piece with a descriptor of its own, using no SMs; the driver takes about
+    a microsecond per piece to enqueue them (in the calling thread), and small pieces copy
+    slowly (16 KiB: a few GB/s). ``kvoffload bench`` measures both beside a matmul loop."""
     use_batch_copy: bool = True
     """False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``."""
     io_threads: int = 4
@@ -67,6 +74,8 @@ class Options:
             raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
         if not self.host_blocks and not self.disk_blocks:
             raise ValueError("no room: host_blocks and disk_blocks are both 0")
+        if self.copy_engine not in ("kernel", "dma"):
+            raise ValueError(f"copy_engine must be 'kernel' or 'dma', got {self.copy_engine!r}")
         if self.completion not in ("thread", "poll"):
             raise ValueError(f"completion must be 'thread' or 'poll', got {self.completion!r}")
         for name in ("use_batch_copy", "use_page_cache", "expedited_loads"):

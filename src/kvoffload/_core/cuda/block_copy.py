@@ -70,7 +70,7 @@ class CudaBlockCopier:
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
-        gather_ctas: int = 0, priority: int = 0,
+        gather_ctas: int = 0, priority: int = 0, copy_engine: str = "kernel",
     ) -> None:
         self._layout = layout
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
@@ -82,12 +82,14 @@ class CudaBlockCopier:
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         shape = (self.chunk_blocks, layout.slot_bytes)
-        self._staging = [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]
+        self._staging = [] if copy_engine == "dma" else [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
         self._copy = BatchCopy(use_batch=use_batch_copy)
-        self._kernel = piece_kernel(self._device_index)
+        # copy_engine="dma": no kernel at all; every piece is a DMA descriptor (no SM time)
+        self._kernel = piece_kernel(self._device_index) if copy_engine == "kernel" else None
+        self._dma_only = copy_engine == "dma"
         self._max_ctas = gather_ctas
         self._tensor_spans = self._tensor_pieces()
         self._host_addresses: dict[int, int] = {}  # host slab address -> its device mapping
@@ -139,7 +141,7 @@ class CudaBlockCopier:
             self._cancel = (0, 0)
 
     def _direct(self, nblocks: int) -> bool:
-        return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
+        return self._dma_only or (nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0])
 
     def _direct_dma(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         """One descriptor per (tensor, block) between cache and host slots, no staging."""
