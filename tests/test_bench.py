@@ -16,7 +16,7 @@ def test_bench_command_small(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "scenario" in proc.stdout and re.search(r"\[1/\d ", proc.stdout)  # progress, then the table
+    assert "scenario" in proc.stdout and re.search(r"\[1/\d+ ", proc.stdout)  # progress, then the table
     data = json.loads(out.read_text())
     names = {r["scenario"] for r in data["rows"]}
     assert {"host store, random ids", "store+load, another thread busy", "disk load (no host tier)", "one-block stores, all at once",

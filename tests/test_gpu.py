@@ -310,16 +310,23 @@ async def test_cancelled_load_skips_every_copy_not_started(per_tensor):
     blocks = next(iter(caches.values())).shape[0]
     async with kvoffload.Offloader(caches, host_blocks=blocks) as off:
         await off.store({i: i for i in range(blocks)})
-        for t in caches.values():
-            t.zero_()
-        torch.cuda.synchronize()
-        gate = torch.cuda.Stream()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            load = off.load({i: blocks - 1 - i for i in range(blocks)}, per_tensor=per_tensor)
-        load.cancel()
-        with pytest.raises(kvoffload.TransferCancelled):
-            await load
+        for attempt in range(3):  # the premise needs the gate still closed at cancel() (a long GC pause could open it)
+            for t in caches.values():
+                t.zero_()
+            torch.cuda.synchronize()
+            gate = torch.cuda.Stream()
+            with torch.cuda.stream(gate):
+                torch.cuda._sleep(5 * SLEEP_CYCLES)
+                opened = torch.cuda.Event()
+                opened.record(gate)
+                load = off.load({i: blocks - 1 - i for i in range(blocks)}, per_tensor=per_tensor)
+            load.cancel()
+            closed_at_cancel = not opened.query()
+            with pytest.raises(kvoffload.TransferCancelled):
+                await load
+            if closed_at_cancel:
+                break
+        assert closed_at_cancel, "the gate opened before cancel() three times"
         if per_tensor:
             with pytest.raises(kvoffload.TransferCancelled):
                 await load.wait_tensor("layer.0")
