@@ -152,5 +152,5 @@ def make_block_copier(
 
     return CudaBlockCopier(
         layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas,
-        priority=-1 if expedited else 0, copy_engine=options.copy_engine,
+        priority=-1 if expedited else 0, copy_engine=options.copy_engine, loads_by_sm=expedited,
     )

@@ -46,12 +46,13 @@ class Options:
     use_page_cache: bool = False
     """Buffered disk IO instead of O_DIRECT."""
     expedited_loads: bool = False
-    """Start a third worker, with streams of a higher priority, for ``load(..., expedited=True)``:
-    small loads the caller waits for then queue behind no other load. Costs one thread and two
-    more staging buffers of ``chunk_bytes``. Without it expedited loads run as others. GPU caches
-    only: on CPU caches the copies hold the GIL, so a third thread would wait for it behind the
-    load worker's (7 ms measured, where a one-block load run between the chunks of a bulk load on
-    the load worker takes 0.4 ms); expedited loads there take the load worker."""
+    """Start a third worker for ``load(..., expedited=True)``: small loads the caller waits for then
+    queue behind no other load. Its copies are made by a kernel on high-priority streams that reads
+    host memory directly, so they overtake a bulk load whose DMAs fill the copy engines' queue.
+    Costs one thread. Without it expedited loads run as others. GPU caches only: on CPU caches the
+    copies hold the GIL, so a third thread would wait for it behind the load worker's (7 ms
+    measured, where a one-block load run between the chunks of a bulk load on the load worker
+    takes 0.4 ms); expedited loads there take the load worker."""
 
     def __post_init__(self) -> None:
         _check_count("host_blocks", self.host_blocks, minimum=0)

@@ -45,7 +45,7 @@ import torch
 from ..layout import BlockLayout, runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
-from .kernels import piece_kernel
+from .kernels import HostScatter, piece_kernel
 
 __all__ = ["CudaBlockCopier"]
 
@@ -70,7 +70,7 @@ class CudaBlockCopier:
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
-        gather_ctas: int = 0, priority: int = 0, copy_engine: str = "kernel",
+        gather_ctas: int = 0, priority: int = 0, copy_engine: str = "kernel", loads_by_sm: bool = False,
     ) -> None:
         self._layout = layout
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
@@ -81,15 +81,19 @@ class CudaBlockCopier:
         self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
-        shape = (self.chunk_blocks, layout.slot_bytes)
-        self._staging = [] if copy_engine == "dma" else [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)]
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
         self._copy = BatchCopy(use_batch=use_batch_copy)
         # copy_engine="dma": no kernel at all; every piece is a DMA descriptor (no SM time)
         self._kernel = piece_kernel(self._device_index) if copy_engine == "kernel" else None
-        self._dma_only = copy_engine == "dma"
+        # Loads by the SMs straight from host slots: what overtakes a bulk load, whose DMAs fill the
+        # copy engines' queue (stream priorities order kernels, not copy engines).
+        self._loads_by_sm = loads_by_sm and self._kernel is not None
+        # No staging (copy_engine="dma", SM loads): every chunk is copied direct, one descriptor per piece.
+        staged = copy_engine == "kernel" and not self._loads_by_sm
+        shape = (self.chunk_blocks, layout.slot_bytes)
+        self._staging = [torch.empty(shape, dtype=torch.uint8, device=layout.device) for _ in range(2)] if staged else []
         self._max_ctas = gather_ctas
         self._tensor_spans = self._tensor_pieces()
         self._host_addresses: dict[int, int] = {}  # host slab address -> its device mapping
@@ -141,7 +145,9 @@ class CudaBlockCopier:
             self._cancel = (0, 0)
 
     def _direct(self, nblocks: int) -> bool:
-        return self._dma_only or (nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0])
+        if not self._staging:
+            return True
+        return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
 
     def _direct_dma(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         """One descriptor per (tensor, block) between cache and host slots, no staging."""
@@ -230,6 +236,9 @@ class CudaBlockCopier:
         n = len(block_ids)
         assert n <= self.chunk_blocks
         self._calls.ensure_context(self._device_index)
+        if self._loads_by_sm:
+            self._scatter_from_host(host, rows, block_ids).launch(self._kstream, range(len(self._pieces)))
+            return self._record(self._kstream)
         if self._direct(n):
             self._direct_dma(block_ids, host, rows, to_host=False)
             landed = self._record(self._cstream)  # kept alive until the wait is enqueued
@@ -268,18 +277,22 @@ class CudaBlockCopier:
         return events
 
     def _scatter_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> list[DriverEvent]:
-        assert self._kernel is not None
-        address = self._host_addresses.get(host.data_ptr())
-        if address is None:
-            address = self._host_addresses[host.data_ptr()] = host_device_address(host.data_ptr(), self._device_index)
-        scatter = self._kernel.scatter_from_host(
-            self._tables, address, self._layout.slot_bytes, block_ids, rows, self._max_ctas, self._cancel,
-        )
+        scatter = self._scatter_from_host(host, rows, block_ids)
         events: list[DriverEvent] = []
         for pieces in self._tensor_spans:
             scatter.launch(self._kstream, pieces)
             events.append(self._record(self._kstream))
         return events
+
+    def _scatter_from_host(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> HostScatter:
+        """The kernel's copies of host rows into cache blocks, ready to launch per range of pieces."""
+        assert self._kernel is not None
+        address = self._host_addresses.get(host.data_ptr())
+        if address is None:
+            address = self._host_addresses[host.data_ptr()] = host_device_address(host.data_ptr(), self._device_index)
+        return self._kernel.scatter_from_host(
+            self._tables, address, self._layout.slot_bytes, block_ids, rows, self._max_ctas, self._cancel,
+        )
 
     def _tensor_pieces(self) -> list[range]:
         """Each tensor's pieces (consecutive columns of the tables), in ``kv_caches`` order."""
