@@ -214,7 +214,7 @@ class Transfer:
         """Make ``stream`` (a ``torch.cuda.Stream``; default: the current one) wait for tensor ``name``'s
         copy, without the host waiting: the next kernels there see that tensor's blocks in place.
         Needs ``load(..., per_tensor=True)`` on a GPU cache with every key in host memory
-        (``ValueError`` otherwise). A failed copy leaves the blocks unspecified: check the transfer."""
+        (``ValueError`` otherwise). A failed or cancelled copy leaves the blocks unspecified: check the transfer."""
         state = self._tensor_state(name)
         if state is None or state.event is None:
             raise ValueError("stream_wait needs a GPU load made with per_tensor=True whose keys are all in host memory")
