@@ -155,3 +155,156 @@ async def test_close_cancels_in_flight_transfers(faults):
     with pytest.raises(kvoffload.TransferCancelled):  # close() cancelled it, not the awaiting task
         await t
     assert not [th for th in threading.enumerate() if th.name.startswith("kvoffload")]
+
+
+# -- loads enqueued whole that stop on a cancel flag (the GPU path), driven by a fake copier ----------
+
+
+class _Event:
+    """A copy's completion event that the test completes by hand."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def complete(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(10)
+
+
+class _Flag:
+    """A cancel flag whose raise lands on the 'device' when the test says so."""
+
+    def __init__(self, raise_lands_at_once: bool) -> None:
+        self.raised: _Event | None = None
+        self._at_once = raise_lands_at_once
+        self.released = threading.Event()
+
+    def raise_flag(self) -> None:
+        self.raised = _Event(done=self._at_once)
+
+    def release(self) -> None:
+        assert not self.released.is_set(), "flag released twice"
+        self.released.set()
+
+
+class _FlagCopier:
+    """Stands in for the CUDA copier: each chunk's copy returns an event the test completes."""
+
+    chunk_blocks = 4
+
+    def __init__(self, flag: _Flag) -> None:
+        self.flag = flag
+        self.events: list[_Event] = []
+        self.stopping: object = None
+        self.flagged_chunks = 0
+
+    def caller_event(self) -> None:
+        return None
+
+    def wait_for(self, event: object) -> None:
+        pass
+
+    def take_cancel_flag(self) -> _Flag:
+        return self.flag
+
+    def stops_on(self, flag: _Flag):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.stopping = flag
+            try:
+                yield
+            finally:
+                self.stopping = None
+
+        return scope()
+
+    def to_device(self, host, rows, block_ids) -> _Event:
+        self.flagged_chunks += self.stopping is self.flag
+        self.events.append(_Event())
+        return self.events[-1]
+
+    def close(self) -> None:
+        pass
+
+
+class _Steps:
+    reports_landings = False
+    taken = None
+
+    def __init__(self) -> None:
+        self.cleanups = 0
+
+    def landed(self, i: int) -> None:
+        pass
+
+    def result(self):
+        return kvoffload.TransferResult("load", (), (), 0, 0.0)
+
+    def cleanup(self) -> None:
+        self.cleanups += 1
+
+
+def _worker_with_flag(flag: _Flag):
+    import torch
+
+    from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, QuickJob
+    from kvoffload._core.cuda.events import make_bridge
+    from kvoffload._core.transfer import Transfer
+    from kvoffload._core.worker_loop import WorkerLoop
+
+    loop = WorkerLoop("kvoffload-test-load")
+    copier = _FlagCopier(flag)
+    worker = CopyWorker("load", loop, copier, make_bridge("poll", loop.loop, "kvoffload-test-events"), CopyCalls())
+    host = torch.zeros((12, 16), dtype=torch.uint8)
+    requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
+    steps = _Steps()
+    transfer = Transfer("load")
+    enqueued = worker.enqueue(requests, None)
+    worker.start_quick(QuickJob(transfer, steps, lambda *a: None, enqueued=enqueued))
+    return loop, copier, steps, transfer
+
+
+@pytest.mark.parametrize("raise_lands_at_once", [True, False], ids=["raised at once", "raise lands later"])
+def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_completes(raise_lands_at_once):
+    """A load of three chunks, enqueued whole with a cancel flag, cancelled while chunk 1 copies: the
+    flag is raised, and the load ends cancelled when the first chunk not complete once the raise has
+    landed completes (chunk 1, or chunk 2 if chunk 1 completed before the raise landed), not after
+    the last chunk; the flag goes back only once the last chunk, which reads it, has completed."""
+    flag = _Flag(raise_lands_at_once)
+    loop, copier, steps, transfer = _worker_with_flag(flag)
+    try:
+        assert copier.flagged_chunks == 3, "the chunks were not enqueued reading the cancel flag"
+        copier.events[0].complete()
+        transfer.cancel()
+        assert flag.raised is not None
+        if raise_lands_at_once:
+            running = copier.events[1]
+        else:  # chunk 1 completes before the raise lands: chunk 2 may have started unflagged
+            copier.events[1].complete()
+            with pytest.raises(TimeoutError):
+                transfer.result(timeout=0.05)
+            flag.raised.complete()
+            running = copier.events[2]
+        with pytest.raises(TimeoutError):  # still copying
+            transfer.result(timeout=0.05)
+        running.complete()
+        with pytest.raises(kvoffload.TransferCancelled):
+            transfer.result(timeout=10)
+        assert steps.cleanups == 1
+        if running is not copier.events[-1]:
+            assert not flag.released.is_set(), "the flag went back while a chunk reading it was queued"
+            copier.events[-1].complete()
+        assert flag.released.wait(10)
+    finally:
+        for e in copier.events:
+            e.complete()
+        loop.stop(5)
