@@ -29,23 +29,28 @@ __all__ = ["CancelFlag", "CancelFlags"]
 class CancelFlag:
     """One taken flag: :attr:`address` and :attr:`generation` for the kernels, :meth:`raise_flag` to stop them."""
 
-    __slots__ = ("_pool", "_index", "address", "generation", "raised")
+    __slots__ = ("_pool", "_index", "_released", "address", "generation", "raised")
 
     def __init__(self, pool: CancelFlags, index: int, address: int, generation: int) -> None:
         self._pool = pool
         self._index = index
+        self._released = False
         self.address = address
         self.generation = generation
         self.raised: DriverEvent | None = None
         """Completes once the flag is raised on the device (None until :meth:`raise_flag`)."""
 
     def raise_flag(self) -> None:
-        """From any thread: kernels of this transfer that start once :attr:`raised` completed skip their pieces."""
+        """From any thread: kernels of this transfer that start once :attr:`raised` completed skip their
+        pieces. (After the pool closed, nothing: :attr:`raised` stays None.)"""
         self.raised = self._pool._raise(self)
 
     def release(self) -> None:
-        """Back to the pool (the kernels that read it have all completed). Idempotent."""
-        self._pool._release(self)
+        """Back to the pool (the kernels that read it have all completed). Idempotent: a second call
+        never frees the slot again once another transfer holds it."""
+        if not self._released:
+            self._released = True
+            self._pool._release(self)
 
 
 class CancelFlags:
@@ -60,7 +65,7 @@ class CancelFlags:
         self._lock = threading.Lock()
         self._generations = [0] * count
         self._free = list(range(count - 1, -1, -1))
-        self._taken: set[int] = set()
+        self._closed = False
 
     def take(self) -> CancelFlag | None:
         """A flag with a new generation, or None when every flag is in use."""
@@ -68,25 +73,28 @@ class CancelFlags:
             if not self._free:
                 return None
             i = self._free.pop()
-            self._taken.add(i)
             generation = self._generations[i] = self._generations[i] % 0x7FFFFFFE + 1
         return CancelFlag(self, i, self._base + 4 * i, generation)
 
-    def _raise(self, flag: CancelFlag) -> DriverEvent:
-        self._calls.ensure_context(self._device_index)
-        stream = self._stream.cuda_stream
-        err = self._calls.memset_d32(flag.address, flag.generation, 1, stream)
-        if err:
-            check("cuMemsetD32Async", err)
-        return DriverEvent(self._device_index).record(stream)
+    def _raise(self, flag: CancelFlag) -> DriverEvent | None:
+        with self._lock:  # close() waits for a raise in progress, so it never writes freed memory
+            if self._closed:
+                return None
+            self._calls.ensure_context(self._device_index)
+            stream = self._stream.cuda_stream
+            err = self._calls.memset_d32(flag.address, flag.generation, 1, stream)
+            if err:
+                check("cuMemsetD32Async", err)
+            return DriverEvent(self._device_index).record(stream)
 
     def _release(self, flag: CancelFlag) -> None:
         with self._lock:
-            if flag._index in self._taken:
-                self._taken.discard(flag._index)
-                self._free.append(flag._index)
+            self._free.append(flag._index)
 
     def close(self) -> None:
-        """Wait for raises still queued, then free the flags (no kernel may still read one)."""
+        """Wait for raises still queued, then free the flags (no kernel may still read one); later
+        raises do nothing."""
+        with self._lock:
+            self._closed = True
         self._stream.synchronize()
         self._values = torch.zeros(0, dtype=torch.int32)
