@@ -8,7 +8,8 @@ and retaking the GIL). This kernel moves every (block, tensor) piece of up to
 releasing the GIL. Block ids travel by value in the kernel's parameters, so nothing needs
 to live until the kernel has run. A CTA copies one piece at a time (one CTA per piece unless
 capped), in 16-byte words where the piece, its source and its destination allow it, bytes
-otherwise (any piece size works).
+otherwise (any piece size works). Both kernels read a transfer's cancel flag before each piece
+and stop once it is raised (``cancel_flags.py``).
 """
 
 from __future__ import annotations
