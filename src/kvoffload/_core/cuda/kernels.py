@@ -1,6 +1,6 @@
 """Copy kernels compiled at run time with NVRTC: one launch gathers a chunk's pieces into a
 staging buffer laid out like host slots, or scatters them back; another scatters one
-tensor's pieces straight from host slots (per-tensor loads).
+tensor's pieces straight from host slots (per-tensor and expedited loads).
 
 torch needs one launch per tensor per chunk (a 32-layer cache: 32 launches, each releasing
 and retaking the GIL). This kernel moves every (block, tensor) piece of up to
