@@ -308,3 +308,48 @@ def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_complet
         for e in copier.events:
             e.complete()
         loop.stop(5)
+
+
+class _Words:
+    """Stands in for the flags' device memory: records each write, returns a completed event."""
+
+    base = 0x1000
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, int]] = []
+        self.closed = False
+
+    def write(self, address: int, value: int) -> _Event:
+        assert not self.closed, "a raise wrote the flags' memory after it was freed"
+        self.writes.append((address, value))
+        return _Event(done=True)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_cancel_flags_are_reused_with_new_generations_and_never_written_after_close():
+    """A flag taken again gets a new generation (a late raise for its previous user is ignored by the
+    new user's kernels); releasing twice never frees a slot another transfer took; when all are
+    taken there is none (the load is then cancelled the slow way); after close, raising writes nothing
+    and none is handed out."""
+    import torch
+
+    from kvoffload._core.cuda.cancel_flags import CancelFlags
+
+    words = _Words()
+    pool = CancelFlags(torch.device("cuda", 0), count=2, words=words)  # type: ignore[arg-type]
+    a, b = pool.take(), pool.take()
+    assert a is not None and b is not None and pool.take() is None
+    assert {a.address, b.address} == {0x1000, 0x1004}
+    a.raise_flag()
+    assert words.writes == [(a.address, a.generation)] and a.raised is not None and a.raised.query()
+    a.release()
+    a.release()  # idempotent
+    again = pool.take()
+    assert again is not None and again.address == a.address and again.generation != a.generation
+    assert pool.take() is None, "a second release freed the slot twice"
+    b.release()
+    pool.close()  # a flag still held (again) is raised only after the pool closed
+    again.raise_flag()
+    assert again.raised is None and len(words.writes) == 1 and pool.take() is None

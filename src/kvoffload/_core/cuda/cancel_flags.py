@@ -23,7 +23,7 @@ import torch
 
 from .driver import DriverEvent, check, enqueue_calls
 
-__all__ = ["CancelFlag", "CancelFlags"]
+__all__ = ["CancelFlag", "CancelFlags", "DeviceWords"]
 
 
 class CancelFlag:
@@ -53,39 +53,55 @@ class CancelFlag:
             self._pool._release(self)
 
 
-class CancelFlags:
-    """A pool of ``count`` flags in one small device tensor."""
+class DeviceWords:
+    """``count`` int32 words in device memory, written by a high-priority stream of their own."""
 
-    def __init__(self, device: torch.device, count: int = 1024) -> None:
+    def __init__(self, device: torch.device, count: int) -> None:
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._values = torch.zeros(count, dtype=torch.int32, device=device)
-        self._base = self._values.data_ptr()
+        self.base = self._values.data_ptr()
         self._stream = torch.cuda.Stream(device=device, priority=-1)
         self._calls = enqueue_calls()
+
+    def write(self, address: int, value: int) -> DriverEvent:
+        """Enqueue ``*address = value``; the returned event completes once it is done."""
+        self._calls.ensure_context(self._device_index)
+        stream = self._stream.cuda_stream
+        err = self._calls.memset_d32(address, value, 1, stream)
+        if err:
+            check("cuMemsetD32Async", err)
+        return DriverEvent(self._device_index).record(stream)
+
+    def close(self) -> None:
+        """Wait for the writes queued, then free the words."""
+        self._stream.synchronize()
+        self._values = torch.zeros(0, dtype=torch.int32)
+
+
+class CancelFlags:
+    """A pool of ``count`` flags in one :class:`DeviceWords` (``words``: a stand-in, for tests)."""
+
+    def __init__(self, device: torch.device, count: int = 1024, words: DeviceWords | None = None) -> None:
+        self._words = words if words is not None else DeviceWords(device, count)
         self._lock = threading.Lock()
         self._generations = [0] * count
         self._free = list(range(count - 1, -1, -1))
         self._closed = False
 
     def take(self) -> CancelFlag | None:
-        """A flag with a new generation, or None when every flag is in use."""
+        """A flag with a new generation, or None when every flag is in use (or the pool is closed)."""
         with self._lock:
-            if not self._free:
+            if not self._free or self._closed:
                 return None
             i = self._free.pop()
             generation = self._generations[i] = self._generations[i] % 0x7FFFFFFE + 1
-        return CancelFlag(self, i, self._base + 4 * i, generation)
+        return CancelFlag(self, i, self._words.base + 4 * i, generation)
 
     def _raise(self, flag: CancelFlag) -> DriverEvent | None:
         with self._lock:  # close() waits for a raise in progress, so it never writes freed memory
             if self._closed:
                 return None
-            self._calls.ensure_context(self._device_index)
-            stream = self._stream.cuda_stream
-            err = self._calls.memset_d32(flag.address, flag.generation, 1, stream)
-            if err:
-                check("cuMemsetD32Async", err)
-            return DriverEvent(self._device_index).record(stream)
+            return self._words.write(flag.address, flag.generation)
 
     def _release(self, flag: CancelFlag) -> None:
         with self._lock:
@@ -96,5 +112,4 @@ class CancelFlags:
         raises do nothing."""
         with self._lock:
             self._closed = True
-        self._stream.synchronize()
-        self._values = torch.zeros(0, dtype=torch.int32)
+        self._words.close()
