@@ -392,6 +392,7 @@ def test_caches_on_mixed_devices_are_refused_at_construction(tmp_path_factory, n
         ({"host_blocks": True}, TypeError),
         ({"completion": "spin"}, ValueError),
         ({"copy_engine": "sm"}, ValueError),
+        ({"gather_priority": "top"}, ValueError),
         ({"disk_blocks": 8}, ValueError),  # no path
         ({"disk_path": "kv"}, ValueError),  # no slots
         ({"host_blocks": 0}, ValueError),  # no room at all
@@ -412,6 +413,7 @@ bad_options = st.one_of(
     st.fixed_dictionaries({"disk_blocks": st.one_of(st.integers(max_value=-1), st.floats(), st.booleans())}),
     st.fixed_dictionaries({"completion": st.text(max_size=6).filter(lambda s: s not in ("poll", "thread"))}),
     st.fixed_dictionaries({"copy_engine": st.text(max_size=6).filter(lambda s: s not in ("kernel", "dma"))}),
+    st.fixed_dictionaries({"gather_priority": st.text(max_size=6).filter(lambda s: s not in ("low", "high"))}),
     st.fixed_dictionaries({"disk_path": st.one_of(st.integers(), st.lists(st.text(max_size=2), max_size=2)), "disk_blocks": st.just(4)}),
     st.just({"disk_blocks": 4}),  # no path
     st.just({"disk_path": "PATH"}),  # no slots

@@ -45,7 +45,7 @@ async def test_round_trip_random_ids(completion, use_batch_copy, chunk_blocks):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("engine", ["kernel", "torch", "dma"])
+@pytest.mark.parametrize("engine", ["kernel", "kernel, high priority", "torch", "dma"])
 @pytest.mark.parametrize("blocks", [2, 300])  # direct descriptors; staged through the kernel or torch (dma: never staged)
 async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     """A (2, num_blocks, ...) K/V tensor transposed (two pieces per block, 80-byte pieces: not
@@ -60,7 +60,8 @@ async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     wide_other = wide[0::2].clone()
     src = torch.randperm(600, generator=g).tolist()[:blocks]
     dst = torch.randperm(600, generator=g).tolist()[:blocks]
-    async with kvoffload.Offloader(caches, host_blocks=blocks, num_blocks=600, copy_engine="dma" if engine == "dma" else "kernel") as off:
+    async with kvoffload.Offloader(caches, host_blocks=blocks, num_blocks=600, copy_engine="dma" if engine == "dma" else "kernel",
+                                   gather_priority="high" if "high" in engine else "low") as off:
         await off.store({i: src[i] for i in range(blocks)})
         for t in caches.values():
             t.zero_()

@@ -357,19 +357,28 @@ def layout_scenarios(rep: Report, gib: float, dev: torch.device, base: Any) -> N
         caches = lay.cache(2 * n, dev)
         ids = torch.randperm(2 * n).tolist()
         src, dst = ids[:n], ids[n:]
-        st, ld, both = [], [], []
+        def both_at_once(off: Offloader) -> float:
+            """GB/s of storing keys n.. from ``dst`` while loading keys 0.. (stored) into ``src``."""
+            _sync(dev)
+            t0 = time.perf_counter()
+            a = off.store({n + i: dst[i] for i in range(n)})
+            b = off.load({i: src[i] for i in range(n)})
+            a.result()
+            b.result()
+            return 2 * nbytes / (time.perf_counter() - t0) / 1e9
+
+        st, ld, both, both_high = [], [], [], []
         with Offloader(caches, host_blocks=2 * n) as off:
             for _ in range(3):
                 off.discard(range(2 * n))
                 st.append(off.store({i: src[i] for i in range(n)}).result().gbps)
                 ld.append(off.load({i: dst[i] for i in range(n)}).result().gbps)
-                _sync(dev)
-                t0 = time.perf_counter()
-                a = off.store({n + i: dst[i] for i in range(n)})
-                b = off.load({i: src[i] for i in range(n)})
-                a.result()
-                b.result()
-                both.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)
+                both.append(both_at_once(off))
+        with Offloader(caches, host_blocks=2 * n, gather_priority="high") as off:  # gathers ahead of other kernels
+            off.store({i: src[i] for i in range(n)}).result()
+            for _ in range(3):
+                both_high.append(both_at_once(off))
+                off.discard(range(n, 2 * n))
         bst = bld = None
         if base is not None:
             hbase = base.HostBaseline(caches, n)
@@ -382,6 +391,7 @@ def layout_scenarios(rep: Report, gib: float, dev: torch.device, base: Any) -> N
         rep.row(f"store, {kib} KiB pieces", "GB/s", max(st), ceil_d2h, bst)
         rep.row(f"load, {kib} KiB pieces", "GB/s", max(ld), ceil_h2d, bld)
         rep.row(f"store + load at once, {kib} KiB pieces", "GB/s", max(both), ceil_both, None)
+        rep.row(f"store + load at once, {kib} KiB pieces, gather_priority=high", "GB/s", max(both_high), ceil_both, None)
 
 
 def under_compute_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, seconds: float = 2.0) -> None:
@@ -420,8 +430,12 @@ def under_compute_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.dev
     caches = lay.cache(2 * n, dev)
     ids = torch.randperm(2 * n).tolist()[:n]
     side = torch.cuda.Stream(device=dev)
-    for ctas, engine in ((0, "kernel"), (32, "kernel"), (8, "kernel"), (0, "dma")):
-        with Offloader(caches, host_blocks=n, gather_ctas=ctas, copy_engine=engine) as off:  # type: ignore[arg-type]
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("gather_ctas=0 (default)", {}), ("gather_ctas=32", {"gather_ctas": 32}), ("gather_ctas=8", {"gather_ctas": 8}),
+        ("gather_priority=high", {"gather_priority": "high"}), ("copy_engine=dma", {"copy_engine": "dma"}),
+    ]
+    for label, options in variants:
+        with Offloader(caches, host_blocks=n, **options) as off:
 
             def round_trip() -> int:
                 # called on a stream of its own: ordered after the matmuls, the copies would measure their queue
@@ -446,7 +460,6 @@ def under_compute_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.dev
                 stop.set()
                 th.join()
         shared = statistics.median(times) if times else float("nan")
-        label = "copy_engine=dma" if engine == "dma" else "gather_ctas=0 (default)" if ctas == 0 else f"gather_ctas={ctas}"
         rep.extra[f"under_compute_{label.split(' ')[0]}"] = {
             "copy_idle_gbps": idle, "copy_under_matmul_gbps": busy, "matmul_alone_s": alone, "matmul_beside_copies_s": shared,
         }

@@ -75,6 +75,7 @@ class Offloader:
         chunk_bytes: int = 128 << 20,
         completion: Literal["poll", "thread"] = "poll",
         gather_ctas: int = 0,
+        gather_priority: Literal["low", "high"] = "low",
         copy_engine: Literal["kernel", "dma"] = "kernel",
         use_batch_copy: bool = True,
         io_threads: int = 4,
@@ -87,7 +88,7 @@ class Offloader:
         self._options = Options(
             host_blocks=host_blocks, disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
             disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
-            copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
+            gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads,
         )
         self._lock = threading.Lock()

@@ -32,6 +32,11 @@ class Options:
     """GPU caches: CTAs per gather/scatter launch; 0 (the default) runs one per piece, the fastest on
     an idle GPU. A small number (8-32) leaves more SMs to the model's kernels and moves less per
     second: ``kvoffload bench`` measures both beside a matmul loop."""
+    gather_priority: Literal["low", "high"] = "low"
+    """GPU caches: the priority of the streams that gather and scatter pieces. ``"low"`` (the
+    default): the model's kernels go first. ``"high"``: the copy kernels go first, which can keep
+    the copy engines busier when both directions run at once with small pieces, at the cost of
+    delaying the model's kernels for the (brief) gathers. ``kvoffload bench`` measures both."""
     copy_engine: Literal["kernel", "dma"] = "kernel"
     """GPU caches: who copies the pieces of a chunk. ``"kernel"`` (the default): a copy kernel
     gathers them into a staging buffer that one DMA moves (loads: the reverse), the fastest on an
@@ -75,6 +80,8 @@ class Options:
             raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
         if not self.host_blocks and not self.disk_blocks:
             raise ValueError("no room: host_blocks and disk_blocks are both 0")
+        if self.gather_priority not in ("low", "high"):
+            raise ValueError(f"gather_priority must be 'low' or 'high', got {self.gather_priority!r}")
         if self.copy_engine not in ("kernel", "dma"):
             raise ValueError(f"copy_engine must be 'kernel' or 'dma', got {self.copy_engine!r}")
         if self.completion not in ("thread", "poll"):

@@ -70,15 +70,17 @@ class CudaBlockCopier:
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
-        gather_ctas: int = 0, priority: int = 0, copy_engine: str = "kernel", loads_by_sm: bool = False,
+        gather_ctas: int = 0, priority: int = 0, kernel_priority: int | None = None, copy_engine: str = "kernel",
+        loads_by_sm: bool = False,
     ) -> None:
         self._layout = layout
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
         self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
-        # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one.
-        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority)
+        # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one, and
+        # gather_priority="high" for the kernel stream alone.
+        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority if kernel_priority is None else kernel_priority)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
