@@ -252,29 +252,29 @@ class CopyWorker:
     def _end_early(self, job: QuickJob) -> None:
         """(On the loop.) Once the flag is raised on the device, every copy not complete by then reads it
         before it starts, except the first of them: end ``job`` cancelled once that one completes."""
-        if job.ended:
-            return
         assert job.enqueued is not None
         raised = job.enqueued.cancel_flag.raised
         if raised is None:  # raising failed (a failed device): the job ends with its last copy
             return
-        if not raised.query():  # the flag is raised on the device within microseconds
-            self.loop.loop.call_later(1e-4, self._end_early, job)
-            return
+        self._when_complete(raised, job, functools.partial(self._end_at_first_incomplete, job))
+
+    def _end_at_first_incomplete(self, job: QuickJob) -> None:
+        assert job.enqueued is not None
         for event in job.enqueued.events:
             if event is not None and not event.query():
-                self._end_when_complete(job, event)
+                self._when_complete(event, job, functools.partial(self._end, job, cancelled=True))
                 return
 
-    def _end_when_complete(self, job: QuickJob, event: Any) -> None:
-        """Poll ``event`` every 0.1 ms, then end ``job`` cancelled. (The bridge cannot watch it: it
-        follows events in the order they were watched, and the job's last one came first.)"""
+    def _when_complete(self, event: Any, job: QuickJob, then: Callable[[], Any]) -> None:
+        """Poll ``event`` every 0.1 ms, then call ``then()``, unless ``job`` ended meanwhile. (The bridge
+        cannot watch these events: it follows events in the order they were watched, and the job's
+        last one came first.)"""
         if job.ended:
             return
         if event.query():
-            self._end(job, cancelled=True)
+            then()
         else:
-            self.loop.loop.call_later(1e-4, self._end_when_complete, job, event)
+            self.loop.loop.call_later(1e-4, self._when_complete, event, job, then)
 
     def _arrive(self, job: QuickJob) -> None:
         self._live.add(job)

@@ -108,6 +108,13 @@ class _Pairs(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("ids", ctypes.c_int * MAX_PAIRS), ("rows", ctypes.c_int * MAX_PAIRS)]
 
 
+def _table_rows(tables: torch.Tensor) -> list[ctypes.c_uint64]:
+    """The kernels' first four parameters: the addresses of the rows of ``tables``
+    (``uint64[4, pieces]``: base addresses, bytes per block, offsets in a slot, strides)."""
+    base, row = tables.data_ptr(), 8 * tables.shape[1]
+    return [ctypes.c_uint64(base + i * row) for i in range(4)]
+
+
 class PieceKernel:
     """The compiled ``move_pieces`` of one device."""
 
@@ -141,11 +148,8 @@ class PieceKernel:
         SMs to other kernels at some cost in speed. ``cancel``: a cancel flag's device address and
         generation (address 0: none); once the flag holds the generation, pieces not yet started are skipped.
         """
-        base = tables.data_ptr()
-        row = 8 * tables.shape[1]
         args: list[Any] = [
-            ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
-            ctypes.c_uint64(base + 3 * row), ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
+            *_table_rows(tables), ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
             ctypes.c_uint64(cancel[0]), ctypes.c_int(cancel[1]), _Blocks(),
         ]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
@@ -182,8 +186,6 @@ class HostScatter:
         rows: Sequence[int], max_ctas: int, cancel: tuple[int, int],
     ) -> None:
         self._func, self._calls, self._max_ctas = func, calls, max_ctas
-        base = tables.data_ptr()
-        row = 8 * tables.shape[1]
         self._first_piece, self._pieces = ctypes.c_int(0), ctypes.c_int(0)
         self._params = []
         for first in range(0, len(block_ids), MAX_PAIRS):  # one parameter set per launch of a tensor
@@ -193,8 +195,7 @@ class HostScatter:
             pairs.ids[:n] = block_ids[first : first + n]
             pairs.rows[:n] = rows[first : first + n]
             args: list[Any] = [
-                ctypes.c_uint64(base), ctypes.c_uint64(base + row), ctypes.c_uint64(base + 2 * row),
-                ctypes.c_uint64(base + 3 * row), self._first_piece, self._pieces,
+                *_table_rows(tables), self._first_piece, self._pieces,
                 ctypes.c_uint64(host), ctypes.c_uint64(slot_bytes), ctypes.c_uint64(cancel[0]), ctypes.c_int(cancel[1]), pairs,
             ]
             self._params.append((n, args, (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])))
