@@ -11,6 +11,10 @@ worker one of two ways:
   taken in one batch callback, their copies submitted together (coalesced into
   one copier call per host buffer and chunk), and each is finished from the
   completion of its last copy. Waiters are woken last, once the batch is done.
+  A GPU quick transfer can also be finished by the thread that waits for it
+  (:meth:`CopyWorker.finish_landed`): awaited once its copies have completed,
+  it ends there and then, with no hop through the worker's thread, which may
+  not get the GIL for milliseconds while the caller's thread runs Python.
 * **Task** (:meth:`CopyWorker.start_task`): everything else (spills, the disk
   tier, multi-chunk CPU copies) runs as a coroutine on the loop, copying
   through :meth:`copy` (coalesced the same way) and :meth:`pipeline`.
@@ -181,6 +185,9 @@ class CopyWorker:
         self._arrived: list[QuickJob] = []
         self._batch_scheduled = False
         self._live: set[QuickJob] = set()
+        self._job_lock = threading.Lock()
+        """Held to report a quick job's landings and to claim its end: the worker and a thread that
+        waits for the job (:meth:`finish_landed`) may both get there."""
         self._finishing: list[tuple[QuickJob, TransferResult | None, BaseException | None, bool]] | None = None
         loop.add_stop_hook(self._end_quick_jobs)
 
@@ -236,8 +243,33 @@ class CopyWorker:
     def start_quick(self, job: QuickJob) -> None:
         """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn."""
         self.loop.mailbox.post(self._arrive, job)
-        if job.enqueued is not None and job.enqueued.cancel_flag is not None:
-            job.transfer._set_canceller(functools.partial(self._stop_early, job))
+        if job.enqueued is not None:
+            job.transfer._set_finisher(functools.partial(self.finish_landed, job))
+            if job.enqueued.cancel_flag is not None:
+                job.transfer._set_canceller(functools.partial(self._stop_early, job))
+
+    def finish_landed(self, job: QuickJob) -> bool:
+        """From any thread: if every copy of ``job`` (enqueued at call time) has completed, report its
+        landings and end it here, unless it ended or was cancelled; True if it ended here."""
+        enqueued = job.enqueued
+        if job.ended or enqueued is None or enqueued.error is not None or job.transfer._cancel_requested:
+            return False
+        events = enqueued.events
+        if events and events[-1] is not None and not events[-1].query():
+            return False
+        with self._job_lock:
+            if job.ended:
+                return False
+            try:
+                self._report_landings(job, len(events) - 1)
+            except BaseException:  # a bug of ours: leave the job to its worker, which ends it with the error
+                return False
+            job.ended = True
+        if job.steps.taken is None:
+            job.steps.taken = time.perf_counter()
+        self._release_flag(job)
+        self._end(job, claimed=True, here=True)
+        return True
 
     def _stop_early(self, job: QuickJob) -> None:
         """The transfer's canceller (any thread): raise its cancel flag, so that its kernels skip
@@ -277,7 +309,10 @@ class CopyWorker:
             self.loop.loop.call_later(1e-4, self._when_complete, event, job, then)
 
     def _arrive(self, job: QuickJob) -> None:
-        self._live.add(job)
+        with self._job_lock:
+            if job.ended:  # finished by a thread that waited for it
+                return
+            self._live.add(job)
         self._arrived.append(job)
         if not self._batch_scheduled:
             self._batch_scheduled = True
@@ -377,19 +412,28 @@ class CopyWorker:
         events = job.enqueued.events
         if i == len(events) - 1:  # no kernel reads the flag any more (even if the job ended early)
             self._release_flag(job)
-        if job.ended:
-            return
+        with self._job_lock:
+            if job.ended:
+                return
+            try:
+                self._report_landings(job, i)
+            except BaseException as e:  # a bug of ours: end the job only once nothing more is written
+                error: BaseException | None = e
+            else:
+                error = None
+        if error is not None:
+            job.enqueued.settle()
+            self._end(job, exc=error)
+        elif i == len(events) - 1:
+            self._copies_done(job)
+
+    @staticmethod
+    def _report_landings(job: QuickJob, i: int) -> None:
+        """Tell ``job``'s steps that copies up to ``i`` landed (those that want to know). Under the job lock."""
         if job.steps.reports_landings and not job.transfer._cancel_requested:
             while job.next_landing <= i:
                 job.next_landing += 1
-                try:
-                    job.steps.landed(job.next_landing - 1)
-                except BaseException as e:  # a bug of ours: end the job only once nothing more is written
-                    job.enqueued.settle()
-                    self._end(job, exc=e)
-                    return
-        if i == len(events) - 1:
-            self._copies_done(job)
+                job.steps.landed(job.next_landing - 1)
 
     @staticmethod
     def _release_flag(job: QuickJob) -> None:
@@ -407,9 +451,17 @@ class CopyWorker:
         else:
             self._end(job)
 
-    def _end(self, job: QuickJob, exc: BaseException | None = None, cancelled: bool = False) -> None:
-        """Clean up after ``job`` (its copies have completed) and finish its transfer (batched in a batch)."""
-        job.ended = True
+    def _end(
+        self, job: QuickJob, exc: BaseException | None = None, cancelled: bool = False, *, claimed: bool = False, here: bool = False,
+    ) -> None:
+        """Clean up after ``job`` (its copies have completed) and finish its transfer: batched when the
+        worker is in a batch, unless ``here``. Nothing if the job ended already, unless the caller
+        ``claimed`` its end (set ``job.ended`` under the job lock)."""
+        if not claimed:
+            with self._job_lock:
+                if job.ended:
+                    return
+                job.ended = True
         self._live.discard(job)
         try:
             job.steps.cleanup()
@@ -423,7 +475,7 @@ class CopyWorker:
                 exc = e
         if exc is not None:
             exc = as_transfer_error(self.kind, exc)
-        if self._finishing is not None:
+        if self._finishing is not None and not here:
             self._finishing.append((job, result, exc, cancelled))
         else:
             self._finish(job, result, exc, cancelled)

@@ -71,7 +71,7 @@ class Transfer:
 
     __slots__ = (
         "kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller", "_tensors",
-        "_tensor_names",
+        "_tensor_names", "_finisher",
     )
 
     def __init__(self, kind: Literal["store", "load"]) -> None:
@@ -84,6 +84,8 @@ class Transfer:
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
         self._canceller: Callable[[], Any] | None = None
+        self._finisher: Callable[[], bool] | None = None
+        """Ends the transfer in the calling thread if its copies have completed (True if it did so)."""
         self._tensors: dict[str, _TensorCopy] | None = None
         """Loads with per-tensor completion: each tensor's copy event and waiters."""
         self._tensor_names: tuple[str, ...] = ()
@@ -96,7 +98,7 @@ class Transfer:
 
     def done(self) -> bool:
         """True once the transfer finished: done, failed or cancelled."""
-        return self._state != _PENDING
+        return self._state != _PENDING or self._finish_if_landed()
 
     def cancelled(self) -> bool:
         """True if the transfer ended cancelled."""
@@ -140,6 +142,7 @@ class Transfer:
         return self._exc
 
     def _block(self, timeout: float | None) -> bool:
+        self._finish_if_landed()
         with self._lock:
             if self._state != _PENDING:
                 return True
@@ -253,7 +256,7 @@ class Transfer:
     # -- waiting from an event loop ---------------------------------------------
 
     async def _wait(self) -> TransferResult:
-        if self._state != _PENDING:
+        if self._state != _PENDING or self._finish_if_landed():
             return self._outcome()
         if asyncio._get_running_loop() is None:  # trio, or anyio on trio
             return await self._wait_anyio()
@@ -323,7 +326,17 @@ class Transfer:
         assert self._exc is not None
         raise self._exc
 
+    def _finish_if_landed(self) -> bool:
+        """End the transfer here if its copies have completed and its worker has not ended it yet
+        (GPU transfers enqueued at call time): a waiter then needs no hop through the worker's thread."""
+        finisher = self._finisher
+        return finisher is not None and self._state == _PENDING and finisher()
+
     # -- worker side ------------------------------------------------------------
+
+    def _set_finisher(self, finisher: Callable[[], bool]) -> None:
+        """Install :meth:`_finish_if_landed`'s way to end the transfer in the waiting thread."""
+        self._finisher = finisher
 
     def _set_canceller(self, canceller: Callable[[], Any]) -> None:
         """Install how to stop the worker task; runs it now if a cancel came first."""
@@ -344,7 +357,7 @@ class Transfer:
             else:
                 self._state, self._result = _DONE, result
             callbacks, self._callbacks = self._callbacks, []
-            self._canceller = None
+            self._canceller = self._finisher = None
             finished = self._finished
             tensor_waiters = []
             for state in (self._tensors or {}).values():

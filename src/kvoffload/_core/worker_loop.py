@@ -34,7 +34,7 @@ class WorkerLoop:
     def __init__(self, name: str, on_thread_start: Callable[[], Any] | None = None) -> None:
         self.name = name
         self.loop = asyncio.new_event_loop()
-        self.mailbox = Mailbox(self.loop)
+        self.mailbox = Mailbox(self.loop, quiet=True)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_hooks: list[Callable[[], Any]] = []
         self._on_thread_start = on_thread_start
@@ -46,6 +46,7 @@ class WorkerLoop:
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
+            self.mailbox.close()
             self.loop.close()
             raise self._start_error
 
@@ -136,8 +137,7 @@ class WorkerLoop:
         if self.in_thread():
             raise RuntimeError(f"{self.name}: stop() called from the loop's own thread")
         if not self._thread.is_alive():
-            if not self.loop.is_closed():
-                self.loop.close()
+            self._close_loop()
             return True
 
         async def cancel_all() -> None:
@@ -170,6 +170,10 @@ class WorkerLoop:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False
-        if not self.loop.is_closed():
-            self.loop.close()  # no run_until_complete here: the caller's thread may be running a loop
+        self._close_loop()  # no run_until_complete here: the caller's thread may be running a loop
         return True
+
+    def _close_loop(self) -> None:
+        if not self.loop.is_closed():
+            self.mailbox.close()
+            self.loop.close()

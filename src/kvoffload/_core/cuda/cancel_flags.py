@@ -46,11 +46,9 @@ class CancelFlag:
         self.raised = self._pool._raise(self)
 
     def release(self) -> None:
-        """Back to the pool (the kernels that read it have all completed). Idempotent: a second call
-        never frees the slot again once another transfer holds it."""
-        if not self._released:
-            self._released = True
-            self._pool._release(self)
+        """Back to the pool (the kernels that read it have all completed). Idempotent, from any thread:
+        a second call never frees the slot again once another transfer holds it."""
+        self._pool._release(self)
 
 
 class DeviceWords:
@@ -105,7 +103,9 @@ class CancelFlags:
 
     def _release(self, flag: CancelFlag) -> None:
         with self._lock:
-            self._free.append(flag._index)
+            if not flag._released:
+                flag._released = True
+                self._free.append(flag._index)
 
     def close(self) -> None:
         """Wait for raises still queued, then free the flags (no kernel may still read one); later

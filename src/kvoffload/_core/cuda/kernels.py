@@ -24,7 +24,7 @@ import torch
 
 from .driver import check, context_for, driver, enqueue_calls
 
-__all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "PieceKernel", "piece_kernel"]
+__all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "PieceKernel", "PieceMover", "piece_kernel"]
 
 log = logging.getLogger("kvoffload")
 
@@ -137,32 +137,13 @@ class PieceKernel:
         self._func, self._scatter = int(func), int(scatter)
         self._calls = enqueue_calls()
 
-    def launch(
-        self, stream: int, tables: torch.Tensor, tensors: int, staging: int, slot_bytes: int,
-        block_ids: list[int], gather: bool, max_ctas: int = 0, cancel: tuple[int, int] = (0, 0),
-    ) -> None:
-        """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
+    def mover(self, tables: torch.Tensor, tensors: int, slot_bytes: int) -> PieceMover:
+        """Launches of ``move_pieces`` for one copier: cache blocks <-> staging rows.
 
         ``tables`` is a CUDA ``uint64[4, pieces]`` tensor: base addresses, bytes per block,
-        offsets in a slot, bytes between blocks. ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving
-        SMs to other kernels at some cost in speed. ``cancel``: a cancel flag's device address and
-        generation (address 0: none); once the flag holds the generation, pieces not yet started are skipped.
+        offsets in a slot, bytes between blocks (``tensors`` columns).
         """
-        args: list[Any] = [
-            *_table_rows(tables), ctypes.c_int(tensors), ctypes.c_uint64(staging), ctypes.c_uint64(slot_bytes), ctypes.c_int(int(gather)),
-            ctypes.c_uint64(cancel[0]), ctypes.c_int(cancel[1]), _Blocks(),
-        ]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        blocks = args[-1]
-        for first in range(0, len(block_ids), MAX_BLOCKS):
-            ids = block_ids[first : first + MAX_BLOCKS]
-            blocks.n, blocks.first = len(ids), first
-            blocks.ids[: len(ids)] = ids
-            ctas = len(ids) * tensors if max_ctas <= 0 else min(max_ctas, len(ids) * tensors)
-            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, params, None)
-            if err:
-                check("cuLaunchKernel(move_pieces)", err)
-
+        return PieceMover(self._func, self._calls, tables, tensors, slot_bytes)
 
     def scatter_from_host(
         self, tables: torch.Tensor, host: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int],
@@ -173,9 +154,48 @@ class PieceKernel:
 
         The SMs read host memory over the bus: no staging buffer and no copy descriptor per piece,
         so a tensor of a large load costs one launch (or one per :data:`MAX_PAIRS` blocks).
-        ``tables``, ``max_ctas`` and ``cancel`` as for :meth:`launch`.
+        ``tables`` as for :meth:`mover`, ``max_ctas`` and ``cancel`` as for :meth:`PieceMover.launch`.
         """
         return HostScatter(self._scatter, self._calls, tables, host, slot_bytes, block_ids, rows, max_ctas, cancel)
+
+
+class PieceMover:
+    """One copier's launches of ``move_pieces``. The kernel's parameters are built once and
+    updated in place for each launch (building them costs more than the launch itself), so one
+    mover serves one thread at a time: a copier's calls hold its worker's submit lock."""
+
+    def __init__(self, func: int, calls: Any, tables: torch.Tensor, tensors: int, slot_bytes: int) -> None:
+        self._func, self._calls, self._tensors = func, calls, tensors
+        self._staging, self._gather = ctypes.c_uint64(0), ctypes.c_int(0)
+        self._cancel, self._generation = ctypes.c_uint64(0), ctypes.c_int(0)
+        self._blocks = _Blocks()
+        self._args: list[Any] = [
+            *_table_rows(tables), ctypes.c_int(tensors), self._staging, ctypes.c_uint64(slot_bytes), self._gather,
+            self._cancel, self._generation, self._blocks,
+        ]
+        self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
+
+    def launch(
+        self, stream: int, staging: int, block_ids: Sequence[int], gather: bool, max_ctas: int = 0,
+        cancel: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
+
+        ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving SMs to other kernels
+        at some cost in speed. ``cancel``: a cancel flag's device address and generation
+        (address 0: none); once the flag holds the generation, pieces not yet started are skipped.
+        """
+        self._staging.value, self._gather.value = staging, int(gather)
+        self._cancel.value, self._generation.value = cancel
+        blocks = self._blocks
+        for first in range(0, len(block_ids), MAX_BLOCKS):
+            ids = block_ids[first : first + MAX_BLOCKS]
+            blocks.n, blocks.first = len(ids), first
+            blocks.ids[: len(ids)] = ids
+            ctas = len(ids) * self._tensors if max_ctas <= 0 else min(max_ctas, len(ids) * self._tensors)
+            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
+            if err:
+                check("cuLaunchKernel(move_pieces)", err)
 
 
 class HostScatter:

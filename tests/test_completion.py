@@ -1,0 +1,177 @@
+"""Who ends a GPU transfer enqueued at call time: its worker, or the thread that waits for it once its
+copies have landed (with no hop through a worker that may not get the GIL for milliseconds).
+Either way it ends exactly once, with every landing reported once and in order. Driven on the CPU
+by a stand-in copier whose copy events the test completes by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import kvoffload
+from test_cancellation import _Event, _Flag, _FlagCopier
+
+
+class _PublishingSteps:
+    """A store's steps: records each landing (as a store publishes chunk by chunk) and each end."""
+
+    reports_landings = True
+    taken = None
+
+    def __init__(self) -> None:
+        self.landings: list[int] = []
+        self.cleanups = 0
+        self.ends: list[tuple[object, bool]] = []
+        self.end_threads: list[str] = []
+
+    def landed(self, i: int) -> None:
+        self.landings.append(i)
+
+    def result(self):
+        return kvoffload.TransferResult("store", (), (), 0, 0.0)
+
+    def cleanup(self) -> None:
+        self.cleanups += 1
+
+    def ended(self, transfer, result, exc, cancelled) -> None:
+        self.ends.append((result, cancelled))
+        self.end_threads.append(threading.current_thread().name)
+
+
+class _Rig:
+    """A worker loop with the stand-in copier; :meth:`hold` keeps its thread busy until released."""
+
+    def __init__(self) -> None:
+        from kvoffload._core.copy_worker import CopyCalls, CopyWorker
+        from kvoffload._core.cuda.events import make_bridge
+        from kvoffload._core.worker_loop import WorkerLoop
+
+        self.loop = WorkerLoop("kvoffload-test-worker")
+        self.copier = _FlagCopier(_Flag(raise_lands_at_once=True))
+        self.worker = CopyWorker("load", self.loop, self.copier, make_bridge("poll", self.loop.loop, "kvoffload-test-events"), CopyCalls())
+        self._release = threading.Event()
+
+    def hold(self) -> None:
+        """Block the worker's thread (as a worker that cannot get the GIL) until :meth:`let_go`."""
+        held = threading.Event()
+
+        def block() -> None:
+            held.set()
+            self._release.wait(10)
+
+        self.loop.mailbox.post(block)
+        assert held.wait(10)
+
+    def let_go(self) -> None:
+        self._release.set()
+
+    def start(self, chunks: int = 3):
+        import torch
+
+        from kvoffload._core.copy_worker import CopyRequest, QuickJob
+        from kvoffload._core.transfer import Transfer
+
+        host = torch.zeros((4 * chunks, 16), dtype=torch.uint8)
+        requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
+        steps = _PublishingSteps()
+        transfer = Transfer("store")
+        first = len(self.copier.events)
+        enqueued = self.worker.enqueue(requests, None)
+        self.worker.start_quick(QuickJob(transfer, steps, steps.ended, enqueued=enqueued))
+        return transfer, steps, self.copier.events[first:]
+
+    def close(self) -> None:
+        self.let_go()
+        for e in self.copier.events:
+            e.complete()
+        self.loop.stop(5)
+
+
+@pytest.fixture
+def rig():
+    r = _Rig()
+    yield r
+    r.close()
+
+
+def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_thread(rig):
+    transfer, steps, events = rig.start()
+    rig.hold()  # the worker cannot run: only the waiting thread can end the transfer
+    with pytest.raises(TimeoutError):  # copies still running: nobody ends it
+        transfer.result(timeout=0.05)
+    for e in events:
+        e.complete()
+    assert transfer.result(timeout=0.05).kind == "store"
+    assert steps.landings == [0, 1, 2] and steps.cleanups == 1
+    assert steps.end_threads == [threading.current_thread().name]
+    assert rig.copier.flag.released.is_set()
+    rig.let_go()  # the worker then finds it ended: nothing is reported twice
+    rig.hold()
+    assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
+
+
+@pytest.mark.asyncio
+async def test_await_and_done_end_a_landed_transfer_without_its_worker(rig):
+    transfer, steps, events = rig.start()
+    rig.hold()
+    assert not transfer.done()
+    for e in events[:2]:
+        e.complete()
+    assert not transfer.done(), "ended before its last copy completed"
+    events[2].complete()
+    assert transfer.done()  # done() notices the landed copies itself
+    result = await asyncio.wait_for(transfer, 1)
+    assert result.kind == "store" and steps.landings == [0, 1, 2] and len(steps.ends) == 1
+
+    second, steps2, events2 = rig.start()
+    for e in events2:
+        e.complete()
+    await asyncio.wait_for(second, 1)  # the worker is still held: the await ended it
+    assert steps2.landings == [0, 1, 2] and len(steps2.ends) == 1
+
+
+def test_a_cancelled_transfer_is_not_ended_done_by_its_waiter(rig):
+    transfer, steps, events = rig.start()
+    transfer.cancel()
+    for e in events:
+        e.complete()
+    with pytest.raises(kvoffload.TransferCancelled):
+        transfer.result(timeout=10)
+    assert steps.ends == [(None, True)] and steps.cleanups == 1
+
+
+def test_waiters_and_the_worker_racing_end_each_transfer_once():
+    """Many transfers whose copies complete while a plain thread polls done() and the worker follows
+    them: each ends once, its landings reported once, in order."""
+    rig = _Rig()
+    try:
+        started = [rig.start() for _ in range(300)]
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                for t, _, _ in started:
+                    t.done()
+
+        pollers = [threading.Thread(target=poll) for _ in range(2)]
+        for th in pollers:
+            th.start()
+        rig.hold()  # the first half lands while only the pollers can end them; the rest races the worker
+        for i, (_, _, events) in enumerate(started):
+            if i == len(started) // 2:
+                rig.let_go()
+            for e in events:
+                e.complete()
+        for t, _, _ in started:
+            t.result(timeout=10)
+        stop.set()
+        for th in pollers:
+            th.join()
+        for t, steps, _ in started:
+            assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
+        enders = {name for _, s, _ in started for name in s.end_threads}
+        assert enders - {"kvoffload-test-worker"}, "no transfer was ended by a waiting thread"
+    finally:
+        rig.close()

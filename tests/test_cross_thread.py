@@ -1,0 +1,57 @@
+"""Calls into the worker loops' mailboxes (woken through a pipe written without releasing the GIL):
+each runs once, in the order each thread posted it; a stopped loop refuses posts and keeps no fd."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvoffload._core.worker_loop import WorkerLoop
+
+
+def test_posts_from_many_threads_each_run_once_in_each_threads_order():
+    loop = WorkerLoop("kvoffload-test-mailbox")
+    try:
+        seen: list[tuple[int, int]] = []
+        done = threading.Event()
+        total = 4 * 500
+
+        def note(thread: int, i: int) -> None:
+            seen.append((thread, i))
+            if len(seen) == total:
+                done.set()
+
+        def poster(thread: int) -> None:
+            for i in range(500):
+                loop.mailbox.post(note, thread, i)
+
+        threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert done.wait(10), f"{len(seen)} of {total} posted calls ran"
+        for t in range(4):
+            assert [i for th, i in seen if th == t] == list(range(500))
+    finally:
+        loop.stop(5)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_stopped_loop_refuses_posts_and_keeps_no_fd():
+    before = _open_fds()
+    for _ in range(20):
+        loop = WorkerLoop("kvoffload-test-mailbox")
+        ran = threading.Event()
+        loop.mailbox.post(ran.set)
+        assert ran.wait(10)
+        assert loop.stop(5)
+        with pytest.raises(RuntimeError):
+            loop.mailbox.post(ran.set)
+    assert _open_fds() == before
