@@ -165,6 +165,8 @@ class _Event:
 
     def __init__(self, done: bool = False) -> None:
         self._done = threading.Event()
+        self.waited = threading.Event()
+        """Set once a thread sleeps in :meth:`synchronize`."""
         if done:
             self._done.set()
 
@@ -175,6 +177,7 @@ class _Event:
         return self._done.is_set()
 
     def synchronize(self) -> None:
+        self.waited.set()
         assert self._done.wait(10)
 
 

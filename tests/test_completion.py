@@ -112,6 +112,29 @@ def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_threa
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
 
 
+def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
+    """A thread blocked in result() on a transfer that cannot end early (no cancel flag) sleeps until
+    its last copy completes, then ends it: no wake-up from the worker needed (the worker is held)."""
+    rig.copier.flag = None
+    transfer, steps, events = rig.start()
+    rig.hold()
+    slept = []
+
+    def land() -> None:
+        slept.append(events[-1].waited.wait(10))
+        for e in events:
+            e.complete()
+        if not slept[0]:  # result() did not sleep on the copy: the worker must end it, or it would hang
+            rig.let_go()
+
+    lander = threading.Thread(target=land)
+    lander.start()
+    assert transfer.result().kind == "store"
+    lander.join()
+    assert slept == [True], "result() did not sleep on the last copy's event"
+    assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
+
+
 @pytest.mark.asyncio
 async def test_await_and_done_end_a_landed_transfer_without_its_worker(rig):
     transfer, steps, events = rig.start()

@@ -244,19 +244,38 @@ class CopyWorker:
         """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn."""
         self.loop.mailbox.post(self._arrive, job)
         if job.enqueued is not None:
-            job.transfer._set_finisher(functools.partial(self.finish_landed, job))
+            job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
             if job.enqueued.cancel_flag is not None:
                 job.transfer._set_canceller(functools.partial(self._stop_early, job))
 
-    def finish_landed(self, job: QuickJob) -> bool:
+    def _hurry(self) -> None:
+        """(Any thread.) Somebody waits for a quick job: have the bridge follow its copies closely."""
+        if self.bridge is None:  # CPU copies: nothing to follow
+            return
+        try:
+            self.loop.mailbox.post(self.bridge.hurry)
+        except RuntimeError:  # the worker has stopped: the job has ended or ends with it
+            pass
+
+    def finish_landed(self, job: QuickJob, wait: bool = False) -> bool:
         """From any thread: if every copy of ``job`` (enqueued at call time) has completed, report its
-        landings and end it here, unless it ended or was cancelled; True if it ended here."""
+        landings and end it here, unless it ended or was cancelled; True if it ended here.
+
+        ``wait``: first sleep until its last copy completes (the GIL released), unless it can end
+        early (a load with a cancel flag): one take of the GIL when it lands, where a waiter woken
+        by the worker needs two (the worker's, then its own), each up to the interpreter's switch
+        interval behind a thread busy in Python."""
         enqueued = job.enqueued
         if job.ended or enqueued is None or enqueued.error is not None or job.transfer._cancel_requested:
             return False
         events = enqueued.events
-        if events and events[-1] is not None and not events[-1].query():
-            return False
+        if events and events[-1] is not None:
+            if wait and enqueued.cancel_flag is None:
+                events[-1].synchronize()
+                if job.ended or job.transfer._cancel_requested:
+                    return False
+            elif not events[-1].query():
+                return False
         with self._job_lock:
             if job.ended:
                 return False
@@ -403,8 +422,8 @@ class CopyWorker:
         for i in range(first, len(events)):
             if events[i] is None:
                 self._land(job, i, None)
-            else:
-                self.bridge.watch(events[i]).add_done_callback(functools.partial(self._land, job, i))
+            else:  # nobody waits yet: a waiter hurries the bridge (Transfer._wait)
+                self.bridge.watch(events[i], eager=False).add_done_callback(functools.partial(self._land, job, i))
 
     def _land(self, job: QuickJob, i: int, _: object) -> None:
         """Copy ``i`` of ``job`` completed (so did those before it)."""

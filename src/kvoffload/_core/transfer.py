@@ -71,7 +71,7 @@ class Transfer:
 
     __slots__ = (
         "kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller", "_tensors",
-        "_tensor_names", "_finisher",
+        "_tensor_names", "_finisher", "_hurry",
     )
 
     def __init__(self, kind: Literal["store", "load"]) -> None:
@@ -84,8 +84,10 @@ class Transfer:
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
         self._canceller: Callable[[], Any] | None = None
-        self._finisher: Callable[[], bool] | None = None
+        self._finisher: Callable[[bool], bool] | None = None
         """Ends the transfer in the calling thread if its copies have completed (True if it did so)."""
+        self._hurry: Callable[[], Any] | None = None
+        """Tells the worker that somebody now waits for the transfer."""
         self._tensors: dict[str, _TensorCopy] | None = None
         """Loads with per-tensor completion: each tensor's copy event and waiters."""
         self._tensor_names: tuple[str, ...] = ()
@@ -142,13 +144,15 @@ class Transfer:
         return self._exc
 
     def _block(self, timeout: float | None) -> bool:
-        self._finish_if_landed()
+        if self._finish_if_landed(wait=timeout is None):
+            return True
         with self._lock:
             if self._state != _PENDING:
                 return True
             if self._finished is None:
                 self._finished = threading.Event()
             finished = self._finished
+        self._waiting()
         return finished.wait(timeout)
 
     def add_done_callback(self, fn: Callable[[Transfer], Any], *, context: contextvars.Context | None = None) -> None:
@@ -208,6 +212,7 @@ class Transfer:
                 if pending:
                     state.waiters.append(wake)
         if pending:
+            self._waiting()
             await wait()
         if state is not None and state.done:
             return
@@ -261,7 +266,9 @@ class Transfer:
         if asyncio._get_running_loop() is None:  # trio, or anyio on trio
             return await self._wait_anyio()
         try:
-            await self._when_ended()
+            ended = self._when_ended()
+            self._waiting()
+            await ended
         except asyncio.CancelledError:
             # Our awaiting task was cancelled: cancel the transfer, then hold the
             # CancelledError back until nothing more is written.
@@ -290,6 +297,7 @@ class Transfer:
 
         wake, wait = _waiter()
         if self._on_end_registered(wake):
+            self._waiting()
             try:
                 await wait()
             except anyio.get_cancelled_exc_class():
@@ -326,17 +334,25 @@ class Transfer:
         assert self._exc is not None
         raise self._exc
 
-    def _finish_if_landed(self) -> bool:
+    def _finish_if_landed(self, wait: bool = False) -> bool:
         """End the transfer here if its copies have completed and its worker has not ended it yet
-        (GPU transfers enqueued at call time): a waiter then needs no hop through the worker's thread."""
+        (GPU transfers enqueued at call time): a waiter then needs no hop through the worker's thread.
+        ``wait``: first sleep until they complete, where that cannot delay seeing a cancel."""
         finisher = self._finisher
-        return finisher is not None and self._state == _PENDING and finisher()
+        return finisher is not None and self._state == _PENDING and finisher(wait)
 
     # -- worker side ------------------------------------------------------------
 
-    def _set_finisher(self, finisher: Callable[[], bool]) -> None:
-        """Install :meth:`_finish_if_landed`'s way to end the transfer in the waiting thread."""
-        self._finisher = finisher
+    def _set_finisher(self, finisher: Callable[[bool], bool], hurry: Callable[[], Any]) -> None:
+        """Install :meth:`_finish_if_landed`'s way to end the transfer in the waiting thread, and how to
+        tell its worker that somebody waits (:meth:`_waiting`)."""
+        self._finisher, self._hurry = finisher, hurry
+
+    def _waiting(self) -> None:
+        """Somebody starts waiting for the transfer (still running): its worker follows it closely."""
+        hurry = self._hurry
+        if hurry is not None:
+            hurry()
 
     def _set_canceller(self, canceller: Callable[[], Any]) -> None:
         """Install how to stop the worker task; runs it now if a cancel came first."""
@@ -357,7 +373,7 @@ class Transfer:
             else:
                 self._state, self._result = _DONE, result
             callbacks, self._callbacks = self._callbacks, []
-            self._canceller = self._finisher = None
+            self._canceller = self._finisher = self._hurry = None
             finished = self._finished
             tensor_waiters = []
             for state in (self._tensors or {}).values():

@@ -10,11 +10,14 @@ Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
   and wakes the loop once for every run of completions it finds. Costs one
   cross-thread wake-up per completion batch and no CPU while waiting.
 * :class:`PollBridge` - the loop polls ``event.query()``: it spins
-  (``sleep(0)``) for ``spin_s`` (1 ms) after work is added or a completion
-  is seen, so a transfer whose chunks keep landing is followed closely; once
-  nothing has completed for ``spin_s`` (the GPU is stalled behind compute),
-  it ticks every millisecond. No thread hop, the lowest latency; a core is busy
-  only while copies are landing. Nothing runs while no event is pending.
+  (``sleep(0)``) for ``spin_s`` (1 ms) after an eager watch or a :meth:`~PollBridge.hurry`
+  (somebody waits), and after each completion while somebody waits, so a transfer
+  whose chunks keep landing is followed closely; otherwise (nobody waits, or nothing
+  has completed for ``spin_s``: the GPU is stalled behind compute) it ticks every
+  millisecond. No thread hop, the lowest latency; a core is busy only while copies
+  that somebody waits for are landing. Nothing runs while no event is pending.
+  Spinning takes the GIL thousands of times a second, which the threads running
+  the model's Python pay for: hence only while somebody waits.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ __all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge"]
 class CompletionBridge(Protocol):
     """Turns an event into a future of the loop the bridge serves."""
 
-    def watch(self, event: Any) -> asyncio.Future[None]:
-        """A future that completes when ``event`` has completed. Call on the bridge's loop."""
+    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
+        """A future that completes when ``event`` has completed. Call on the bridge's loop. ``eager``:
+        somebody waits for it now (a polling bridge follows it closely)."""
+        ...
+
+    def hurry(self) -> None:
+        """Somebody now waits for what is watched: follow it closely. Call on the bridge's loop."""
         ...
 
     def close(self) -> None:
@@ -57,10 +65,13 @@ class ThreadBridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, event: Any) -> asyncio.Future[None]:
+    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._queue.put((event, fut))
         return fut
+
+    def hurry(self) -> None:
+        pass  # the waiter thread wakes at each completion anyway
 
     def _run(self) -> None:
         held: list[tuple[Any, asyncio.Future[None]] | None] = []  # an item taken but not yet complete
@@ -100,22 +111,35 @@ class PollBridge:
         self._pending: deque[tuple[Any, asyncio.Future[None]]] = deque()
         self._poller: asyncio.Task[None] | None = None
         self._last_progress = 0.0
+        self._eager = False
+        """Somebody waits for what is pending (cleared when nothing is)."""
 
-    def watch(self, event: Any) -> asyncio.Future[None]:
+    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._pending.append((event, fut))
+        if eager:
+            self.hurry()
+        elif self._poller is None:
+            self._poller = self._loop.create_task(self._poll())
+        return fut
+
+    def hurry(self) -> None:
+        if not self._pending:
+            return
+        self._eager = True
         self._last_progress = time.perf_counter()
         if self._poller is None:
             self._poller = self._loop.create_task(self._poll())
-        return fut
 
     async def _poll(self) -> None:
         try:
             while self._pending:
                 while self._pending and self._pending[0][0].query():
                     resolve(self._pending.popleft()[1])
-                    self._last_progress = time.perf_counter()
+                    if self._eager:
+                        self._last_progress = time.perf_counter()
                 if not self._pending:
+                    self._eager = False
                     break
                 spinning = time.perf_counter() - self._last_progress < self._spin_s
                 await asyncio.sleep(0 if spinning else self._tick_s)
