@@ -198,3 +198,30 @@ def test_waiters_and_the_worker_racing_end_each_transfer_once():
         assert enders - {"kvoffload-test-worker"}, "no transfer was ended by a waiting thread"
     finally:
         rig.close()
+
+
+def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
+    """A worker watches its copies without hurry (nobody waits yet); a waiter's hurry, even one that
+    arrives before the watch, makes the bridge follow them closely until nothing is pending."""
+    from kvoffload._core.cuda.events import PollBridge
+
+    async def run() -> None:
+        bridge = PollBridge(asyncio.get_running_loop())
+        first = _Event()
+        fut = bridge.watch(first, eager=False)
+        assert not bridge.hurried
+        bridge.hurry()
+        assert bridge.hurried
+        first.complete()
+        await asyncio.wait_for(fut, 5)
+        await asyncio.sleep(0)  # the poller notices nothing is pending
+        assert not bridge.hurried, "still hurried with nothing pending"
+        bridge.hurry()  # a waiter's hurry overtaking the worker's watch is kept for it
+        second = _Event()
+        fut = bridge.watch(second, eager=False)
+        assert bridge.hurried
+        second.complete()
+        await asyncio.wait_for(fut, 5)
+        bridge.close()
+
+    asyncio.run(run())

@@ -250,7 +250,7 @@ class CopyWorker:
 
     def _hurry(self) -> None:
         """(Any thread.) Somebody waits for a quick job: have the bridge follow its copies closely."""
-        if self.bridge is None:  # CPU copies: nothing to follow
+        if self.bridge is None or self.bridge.hurried:  # CPU copies: nothing to follow; or hurried already
             return
         try:
             self.loop.mailbox.post(self.bridge.hurry)

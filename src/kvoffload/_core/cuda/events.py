@@ -46,6 +46,11 @@ class CompletionBridge(Protocol):
         """Somebody now waits for what is watched: follow it closely. Call on the bridge's loop."""
         ...
 
+    @property
+    def hurried(self) -> bool:
+        """True while a :meth:`hurry` holds (readable from any thread: then a hint, not a promise)."""
+        ...
+
     def close(self) -> None:
         """Stop any helper thread; pending futures are left as they are."""
         ...
@@ -72,6 +77,10 @@ class ThreadBridge:
 
     def hurry(self) -> None:
         pass  # the waiter thread wakes at each completion anyway
+
+    @property
+    def hurried(self) -> bool:
+        return True
 
     def _run(self) -> None:
         held: list[tuple[Any, asyncio.Future[None]] | None] = []  # an item taken but not yet complete
@@ -123,12 +132,16 @@ class PollBridge:
             self._poller = self._loop.create_task(self._poll())
         return fut
 
+    @property
+    def hurried(self) -> bool:
+        return self._eager
+
     def hurry(self) -> None:
-        if not self._pending:
-            return
+        # Also before the awaited events are watched (the waiter's hurry may overtake the worker's watch):
+        # what is watched next is followed closely, until nothing is pending.
         self._eager = True
         self._last_progress = time.perf_counter()
-        if self._poller is None:
+        if self._pending and self._poller is None:
             self._poller = self._loop.create_task(self._poll())
 
     async def _poll(self) -> None:
