@@ -99,7 +99,8 @@ class Transfer:
     # -- public -----------------------------------------------------------------
 
     def done(self) -> bool:
-        """True once the transfer finished: done, failed or cancelled."""
+        """True once the transfer finished: done, failed or cancelled. A GPU transfer whose copies
+        have landed is ended here if its worker has not done so yet."""
         return self._state != _PENDING or self._finish_if_landed()
 
     def cancelled(self) -> bool:
@@ -129,6 +130,8 @@ class Transfer:
         Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds,
         :class:`TransferCancelled` if it was cancelled, or the transfer's error.
         Do not call this on a running event loop: await the transfer instead.
+        Without a timeout, a GPU transfer that no cancel flag could end early (a store, a load
+        of one chunk) is waited for asleep in the driver and ended in this thread.
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
@@ -161,7 +164,8 @@ class Transfer:
         Registered on a thread running an asyncio loop, it runs on that loop, as an
         ``asyncio.Future``'s callbacks do (``context`` as there), or where the transfer
         ends if that loop has closed meanwhile. Registered on a plain thread, it runs
-        on the worker thread that finishes the transfer, or at once if it has ended;
+        on the thread that ends the transfer (its worker, or a thread that awaits it, waits
+        in :meth:`result` or asks :meth:`done` once its copies landed), or at once if it has ended;
         keep it short and thread-safe. Whatever it raises, ``SystemExit`` and
         ``KeyboardInterrupt`` included, is logged and ignored.
         """
