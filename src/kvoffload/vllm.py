@@ -217,6 +217,8 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self._finished: list[TransferResult] = []
         self._reported: dict[int, threading.Event] = {}
         """Jobs submitted and not yet handed over by get_finished; each event is set once its result is in _finished."""
+        self._loads: dict[int, Transfer] = {}
+        """Load jobs not yet reported: :meth:`wait` waits on them itself."""
 
     def _gpu_blocks(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> dict[Hashable, int]:
         """``(chunk key, block index in chunk) -> GPU block id`` for every GPU block of the job."""
@@ -285,8 +287,12 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         def ended(t: Transfer) -> None:
             ok = not t.cancelled() and t.exception() is None
             result = t.result() if ok else None
+            with self._lock:
+                self._loads.pop(job_id, None)
             self._report(job_id, ok, result.nbytes if result else None, result.seconds if result else None)
 
+        with self._lock:
+            self._loads[job_id] = transfer
         transfer._on_end(ended)
         return True
 
@@ -301,6 +307,12 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         """Block until every job in ``job_ids`` has ended; ``get_finished`` then reports them."""
         with self._lock:
             events = [self._reported[j] for j in job_ids if j in self._reported]
+            loads = [self._loads[j] for j in job_ids if j in self._loads]
+        for t in loads:  # waited on here: ended in this thread once its copies land, no worker hop
+            try:
+                t.result()
+            except Exception:  # reported as failed by its done callback
+                pass
         for e in events:
             e.wait()
 
