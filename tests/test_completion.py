@@ -225,3 +225,22 @@ def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
         bridge.close()
 
     asyncio.run(run())
+
+
+def test_a_hurry_wakes_a_poller_waiting_for_its_next_tick():
+    """A waiter's hurry does not wait for the bridge's next tick: with ticks a minute apart, the
+    landed copy is still noticed at once."""
+    from kvoffload._core.cuda.events import PollBridge
+
+    async def run() -> None:
+        bridge = PollBridge(asyncio.get_running_loop(), tick_s=60.0)
+        event = _Event()
+        fut = bridge.watch(event, eager=False)
+        while bridge._tick is None:  # the poller is between two ticks
+            await asyncio.sleep(0)
+        event.complete()
+        bridge.hurry()
+        await asyncio.wait_for(fut, 5)
+        bridge.close()
+
+    asyncio.run(run())

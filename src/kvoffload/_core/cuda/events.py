@@ -122,6 +122,8 @@ class PollBridge:
         self._last_progress = 0.0
         self._eager = False
         """Somebody waits for what is pending (cleared when nothing is)."""
+        self._tick: asyncio.Future[None] | None = None
+        """What the poller awaits between two ticks: a hurry resolves it early."""
 
     def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
@@ -141,7 +143,9 @@ class PollBridge:
         # what is watched next is followed closely, until nothing is pending.
         self._eager = True
         self._last_progress = time.perf_counter()
-        if self._pending and self._poller is None:
+        if self._tick is not None:  # the poller waits for its next tick: poll now
+            resolve(self._tick)
+        elif self._pending and self._poller is None:
             self._poller = self._loop.create_task(self._poll())
 
     async def _poll(self) -> None:
@@ -154,10 +158,21 @@ class PollBridge:
                 if not self._pending:
                     self._eager = False
                     break
-                spinning = time.perf_counter() - self._last_progress < self._spin_s
-                await asyncio.sleep(0 if spinning else self._tick_s)
+                if time.perf_counter() - self._last_progress < self._spin_s:
+                    await asyncio.sleep(0)
+                else:
+                    await self._next_tick()
         finally:
             self._poller = None
+
+    async def _next_tick(self) -> None:
+        tick = self._tick = self._loop.create_future()
+        timer = self._loop.call_later(self._tick_s, resolve, tick)
+        try:
+            await tick
+        finally:
+            timer.cancel()
+            self._tick = None
 
     def close(self) -> None:
         if self._poller is not None:
