@@ -167,13 +167,18 @@ class Transfer:
         on the thread that ends the transfer (its worker, or a thread that awaits it, waits
         in :meth:`result` or asks :meth:`done` once its copies landed), or at once if it has ended;
         keep it short and thread-safe. Whatever it raises, ``SystemExit`` and
-        ``KeyboardInterrupt`` included, is logged and ignored.
+        ``KeyboardInterrupt`` included, is logged and ignored. Registering counts as waiting
+        (``asyncio.wait`` and ``as_completed`` wait this way): a GPU transfer's worker then
+        follows its copies closely.
         """
         cb: _Callback = (fn, asyncio._get_running_loop(), context)
         with self._lock:
-            if self._state == _PENDING:
+            pending = self._state == _PENDING
+            if pending:
                 self._callbacks.append(cb)
-                return
+        if pending:
+            self._waiting()
+            return
         self._dispatch(cb)
 
     def _on_end(self, fn: Callable[[Transfer], Any]) -> None:
