@@ -340,3 +340,84 @@ def open_fds() -> int:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- stand-ins for the CUDA copier, to drive the GPU path's worker logic on any machine ----------
+
+
+class StandInEvent:
+    """Stands in for a CUDA copy's completion event: the test completes it by hand."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        self.waited = threading.Event()
+        """Set once a thread sleeps in :meth:`synchronize`."""
+        if done:
+            self._done.set()
+
+    def complete(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self._done.wait(10)
+
+
+class StandInFlag:
+    """A cancel flag whose raise lands on the 'device' when the test says so."""
+
+    def __init__(self, raise_lands_at_once: bool) -> None:
+        self.raised: StandInEvent | None = None
+        self._at_once = raise_lands_at_once
+        self.released = threading.Event()
+
+    def raise_flag(self) -> None:
+        self.raised = StandInEvent(done=self._at_once)
+
+    def release(self) -> None:  # idempotent, as the real flag's
+        self.released.set()
+
+
+class StandInCopier:
+    """Stands in for the CUDA copier: each chunk's copy returns an event the test completes."""
+
+    chunk_blocks = 4
+
+    def __init__(self, flag: StandInFlag) -> None:
+        self.flag = flag
+        self.events: list[StandInEvent] = []
+        self.stopping: object = None
+        self.flagged_chunks = 0
+
+    def caller_event(self) -> None:
+        return None
+
+    def wait_for(self, event: object) -> None:
+        pass
+
+    def take_cancel_flag(self) -> StandInFlag:
+        return self.flag
+
+    def stops_on(self, flag: StandInFlag):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.stopping = flag
+            try:
+                yield
+            finally:
+                self.stopping = None
+
+        return scope()
+
+    def to_device(self, host, rows, block_ids) -> StandInEvent:
+        self.flagged_chunks += self.stopping is self.flag
+        self.events.append(StandInEvent())
+        return self.events[-1]
+
+    def close(self) -> None:
+        pass

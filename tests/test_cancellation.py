@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import NotingCancel, check_every_visible_key, random_caches, same_bytes
+from conftest import NotingCancel, StandInCopier, StandInEvent, StandInFlag, check_every_visible_key, random_caches, same_bytes
 
 
 def one_block_chunks(caches) -> int:
@@ -160,84 +160,6 @@ async def test_close_cancels_in_flight_transfers(faults):
 # -- loads enqueued whole that stop on a cancel flag (the GPU path), driven by a fake copier ----------
 
 
-class _Event:
-    """A copy's completion event that the test completes by hand."""
-
-    def __init__(self, done: bool = False) -> None:
-        self._done = threading.Event()
-        self.waited = threading.Event()
-        """Set once a thread sleeps in :meth:`synchronize`."""
-        if done:
-            self._done.set()
-
-    def complete(self) -> None:
-        self._done.set()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self) -> None:
-        self.waited.set()
-        assert self._done.wait(10)
-
-
-class _Flag:
-    """A cancel flag whose raise lands on the 'device' when the test says so."""
-
-    def __init__(self, raise_lands_at_once: bool) -> None:
-        self.raised: _Event | None = None
-        self._at_once = raise_lands_at_once
-        self.released = threading.Event()
-
-    def raise_flag(self) -> None:
-        self.raised = _Event(done=self._at_once)
-
-    def release(self) -> None:  # idempotent, as the real flag's
-        self.released.set()
-
-
-class _FlagCopier:
-    """Stands in for the CUDA copier: each chunk's copy returns an event the test completes."""
-
-    chunk_blocks = 4
-
-    def __init__(self, flag: _Flag) -> None:
-        self.flag = flag
-        self.events: list[_Event] = []
-        self.stopping: object = None
-        self.flagged_chunks = 0
-
-    def caller_event(self) -> None:
-        return None
-
-    def wait_for(self, event: object) -> None:
-        pass
-
-    def take_cancel_flag(self) -> _Flag:
-        return self.flag
-
-    def stops_on(self, flag: _Flag):
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            self.stopping = flag
-            try:
-                yield
-            finally:
-                self.stopping = None
-
-        return scope()
-
-    def to_device(self, host, rows, block_ids) -> _Event:
-        self.flagged_chunks += self.stopping is self.flag
-        self.events.append(_Event())
-        return self.events[-1]
-
-    def close(self) -> None:
-        pass
-
-
 class _Steps:
     reports_landings = False
     taken = None
@@ -255,7 +177,7 @@ class _Steps:
         self.cleanups += 1
 
 
-def _worker_with_flag(flag: _Flag):
+def _worker_with_flag(flag: StandInFlag):
     import torch
 
     from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, QuickJob
@@ -264,7 +186,7 @@ def _worker_with_flag(flag: _Flag):
     from kvoffload._core.worker_loop import WorkerLoop
 
     loop = WorkerLoop("kvoffload-test-load")
-    copier = _FlagCopier(flag)
+    copier = StandInCopier(flag)
     worker = CopyWorker("load", loop, copier, make_bridge("poll", loop.loop, "kvoffload-test-events"), CopyCalls())
     host = torch.zeros((12, 16), dtype=torch.uint8)
     requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
@@ -281,7 +203,7 @@ def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_complet
     flag is raised, and the load ends cancelled when the first chunk not complete once the raise has
     landed completes (chunk 1, or chunk 2 if chunk 1 completed before the raise landed), not after
     the last chunk; the flag goes back only once the last chunk, which reads it, has completed."""
-    flag = _Flag(raise_lands_at_once)
+    flag = StandInFlag(raise_lands_at_once)
     loop, copier, steps, transfer = _worker_with_flag(flag)
     try:
         assert copier.flagged_chunks == 3, "the chunks were not enqueued reading the cancel flag"
@@ -321,10 +243,10 @@ class _Words:
         self.writes: list[tuple[int, int]] = []
         self.closed = False
 
-    def write(self, address: int, value: int) -> _Event:
+    def write(self, address: int, value: int) -> StandInEvent:
         assert not self.closed, "a raise wrote the flags' memory after it was freed"
         self.writes.append((address, value))
-        return _Event(done=True)
+        return StandInEvent(done=True)
 
     def close(self) -> None:
         self.closed = True

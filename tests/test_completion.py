@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import kvoffload
-from test_cancellation import _Event, _Flag, _FlagCopier
+from conftest import StandInCopier, StandInEvent, StandInFlag
 
 
 class _PublishingSteps:
@@ -49,7 +49,7 @@ class _Rig:
         from kvoffload._core.worker_loop import WorkerLoop
 
         self.loop = WorkerLoop("kvoffload-test-worker")
-        self.copier = _FlagCopier(_Flag(raise_lands_at_once=True))
+        self.copier = StandInCopier(StandInFlag(raise_lands_at_once=True))
         self.worker = CopyWorker("load", self.loop, self.copier, make_bridge("poll", self.loop.loop, "kvoffload-test-events"), CopyCalls())
         self._release = threading.Event()
 
@@ -207,7 +207,7 @@ def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
 
     async def run() -> None:
         bridge = PollBridge(asyncio.get_running_loop())
-        first = _Event()
+        first = StandInEvent()
         fut = bridge.watch(first, eager=False)
         assert not bridge.hurried
         bridge.hurry()
@@ -217,7 +217,7 @@ def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
         await asyncio.sleep(0)  # the poller notices nothing is pending
         assert not bridge.hurried, "still hurried with nothing pending"
         bridge.hurry()  # a waiter's hurry overtaking the worker's watch is kept for it
-        second = _Event()
+        second = StandInEvent()
         fut = bridge.watch(second, eager=False)
         assert bridge.hurried
         second.complete()
@@ -234,7 +234,7 @@ def test_a_hurry_wakes_a_poller_waiting_for_its_next_tick():
 
     async def run() -> None:
         bridge = PollBridge(asyncio.get_running_loop(), tick_s=60.0)
-        event = _Event()
+        event = StandInEvent()
         fut = bridge.watch(event, eager=False)
         while bridge._tick is None:  # the poller is between two ticks
             await asyncio.sleep(0)
