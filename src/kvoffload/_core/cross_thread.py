@@ -41,6 +41,8 @@ def _gil_keeping(name: str) -> Callable[[int, Any, int], int] | None:
 _write_keeping_gil = _gil_keeping("write")
 _read_keeping_gil = _gil_keeping("read")
 _WAKE_BYTE = ctypes.create_string_buffer(b"w", 1)
+_DRAINED = ctypes.create_string_buffer(64)
+"""Where woken loops read their wake-up bytes, to throw them away (shared: nobody reads it)."""
 
 
 class Mailbox:
@@ -50,7 +52,7 @@ class Mailbox:
     after): posting wakes the loop without releasing the GIL (see the module's docstring).
     """
 
-    __slots__ = ("_loop", "_lock", "_calls", "_scheduled", "_pipe", "_drain_buffer", "_closed", "__weakref__")
+    __slots__ = ("_loop", "_lock", "_calls", "_scheduled", "_pipe", "_closed", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, quiet: bool = False) -> None:
         self._loop = loop
@@ -59,7 +61,6 @@ class Mailbox:
         self._scheduled = False
         self._pipe: tuple[int, int] | None = None
         """Quiet wake-ups: (read end, write end), the read end watched by the loop."""
-        self._drain_buffer = ctypes.create_string_buffer(64)
         self._closed = False
         if quiet and _write_keeping_gil is not None and _read_keeping_gil is not None:
             r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -69,19 +70,16 @@ class Mailbox:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop soon. Raises RuntimeError if the loop is closed."""
         with self._lock:
-            if self._pipe is not None:
-                self._calls.append((fn, args))
-                if not self._scheduled:
-                    self._scheduled = True
-                    assert _write_keeping_gil is not None
-                    _write_keeping_gil(self._pipe[1], _WAKE_BYTE, 1)  # a full pipe is already a wake-up
-                return
             if self._closed:
                 raise RuntimeError("the mailbox's loop is closed")
             self._calls.append((fn, args))
             if self._scheduled:
                 return
             self._scheduled = True
+            if self._pipe is not None:
+                assert _write_keeping_gil is not None
+                _write_keeping_gil(self._pipe[1], _WAKE_BYTE, 1)  # a full pipe is already a wake-up
+                return
         try:
             self._loop.call_soon_threadsafe(self._drain)
         except BaseException:
@@ -93,7 +91,7 @@ class Mailbox:
         assert _read_keeping_gil is not None
         with self._lock:
             if self._pipe is not None:
-                while _read_keeping_gil(self._pipe[0], self._drain_buffer, 64) > 0:
+                while _read_keeping_gil(self._pipe[0], _DRAINED, 64) > 0:
                     pass
         self._drain()
 
