@@ -38,7 +38,7 @@ the kernel stream, so each direction's completions arrive in submission order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -168,20 +168,21 @@ class CudaBlockCopier:
                     caddrs.append(base + b * stride)
                     haddrs.append(h + offset)
                     sizes.append(nbytes)
-            if to_host:
-                self._copy.few(haddrs, caddrs, sizes, self._cstream)
-            else:
-                self._copy.few(caddrs, haddrs, sizes, self._cstream)
+            self._enqueue(self._copy.few, haddrs, caddrs, sizes, to_host)
             return
         ids = np.asarray(block_ids, dtype=np.uint64)
         hr = np.asarray(rows, dtype=np.uint64)
         cache_addrs = (self._bases[:, None] + ids[None, :] * self._piece_strides[:, None]).ravel()
         host_addrs = (host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]).ravel()
         piece_sizes = np.repeat(self._piece_bytes, len(ids))
+        self._enqueue(self._copy, host_addrs, cache_addrs, piece_sizes, to_host)
+
+    def _enqueue(self, copy: Callable[..., None], host_addrs: Any, device_addrs: Any, sizes: Any, to_host: bool) -> None:
+        """One batch of DMAs between host and device addresses, in the direction ``to_host`` says."""
         if to_host:
-            self._copy(host_addrs, cache_addrs, piece_sizes, self._cstream)
+            copy(host_addrs, device_addrs, sizes, self._cstream)
         else:
-            self._copy(cache_addrs, host_addrs, piece_sizes, self._cstream)
+            copy(device_addrs, host_addrs, sizes, self._cstream)
 
     def _take_staging(self, stream: int) -> tuple[int, torch.Tensor]:
         b = self._turn
@@ -206,19 +207,13 @@ class CudaBlockCopier:
                     saddrs.append(sbase + start * slot)
                     sizes.append((i - start) * slot)
                     start = i
-            if to_host:
-                self._copy.few(haddrs, saddrs, sizes, self._cstream)
-            else:
-                self._copy.few(saddrs, haddrs, sizes, self._cstream)
+            self._enqueue(self._copy.few, haddrs, saddrs, sizes, to_host)
             return
         starts, lengths = runs(rows)
         host_addrs = host.data_ptr() + np.asarray(rows, dtype=np.uint64)[starts] * np.uint64(slot)
         stage_addrs = staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
         run_bytes = lengths.astype(np.uint64) * np.uint64(slot)
-        if to_host:
-            self._copy(host_addrs, stage_addrs, run_bytes, self._cstream)
-        else:
-            self._copy(stage_addrs, host_addrs, run_bytes, self._cstream)
+        self._enqueue(self._copy, host_addrs, stage_addrs, run_bytes, to_host)
 
     def _gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
         """Cache blocks <-> staging rows 0..n-1, on the kernel stream."""

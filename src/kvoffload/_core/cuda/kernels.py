@@ -192,8 +192,7 @@ class PieceMover:
             ids = block_ids[first : first + MAX_BLOCKS]
             blocks.n, blocks.first = len(ids), first
             blocks.ids[: len(ids)] = ids
-            ctas = len(ids) * self._tensors if max_ctas <= 0 else min(max_ctas, len(ids) * self._tensors)
-            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
+            err = self._calls.launch_kernel(self._func, _grid(len(ids) * self._tensors, max_ctas), 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
             if err:
                 check("cuLaunchKernel(move_pieces)", err)
 
@@ -224,10 +223,14 @@ class HostScatter:
         """Enqueue the copies of ``pieces`` (columns of the tables: one tensor's) on ``stream``."""
         self._first_piece.value, self._pieces.value = pieces.start, len(pieces)
         for n, _args, params in self._params:
-            ctas = n * len(pieces) if self._max_ctas <= 0 else min(self._max_ctas, n * len(pieces))
-            err = self._calls.launch_kernel(self._func, ctas, 1, 1, THREADS, 1, 1, 0, stream, params, None)
+            err = self._calls.launch_kernel(self._func, _grid(n * len(pieces), self._max_ctas), 1, 1, THREADS, 1, 1, 0, stream, params, None)
             if err:
                 check("cuLaunchKernel(scatter_from_host)", err)
+
+
+def _grid(pieces: int, max_ctas: int) -> int:
+    """CTAs for a launch of ``pieces`` pieces: one each, at most ``max_ctas`` when that is positive."""
+    return pieces if max_ctas <= 0 else min(max_ctas, pieces)
 
 
 def _compile(source: str, arch: str) -> bytes:
