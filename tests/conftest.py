@@ -352,11 +352,28 @@ class StandInEvent:
         self._done = threading.Event()
         self.waited = threading.Event()
         """Set once a thread sleeps in :meth:`synchronize`."""
+        self.alarms: list = []
+        """Alarms to ring on completion (the copier's ``ring_when_complete``)."""
+        self.alarmed = threading.Event()
+        """Set once an alarm is to ring on completion."""
+        self._lock = threading.Lock()
         if done:
             self._done.set()
 
     def complete(self) -> None:
-        self._done.set()
+        with self._lock:
+            self._done.set()
+            alarms, self.alarms = self.alarms, []
+        for alarm in alarms:
+            alarm.ring()
+
+    def ring_on_completion(self, alarm) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self.alarms.append(alarm)
+                self.alarmed.set()
+                return
+        alarm.ring()
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -413,6 +430,9 @@ class StandInCopier:
                 self.stopping = None
 
         return scope()
+
+    def ring_when_complete(self, event: StandInEvent, alarm) -> None:
+        event.ring_on_completion(alarm)
 
     def to_device(self, host, rows, block_ids) -> StandInEvent:
         self.flagged_chunks += self.stopping is self.flag

@@ -135,6 +135,64 @@ def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
     assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
 
 
+def test_result_on_a_load_that_can_stop_early_sleeps_until_it_lands_and_ends_it_itself(rig):
+    """A load of several chunks has a cancel flag, so its waiter cannot sleep in the driver on the
+    last copy (a cancel ends it sooner). It sleeps on an alarm the last copy's completion rings, and
+    ends the transfer itself: no wake-up from the worker needed (the worker is held)."""
+    assert rig.copier.flag is not None
+    transfer, steps, events = rig.start()
+    rig.hold()
+    armed = []
+
+    def land() -> None:
+        armed.append(events[-1].alarmed.wait(5))
+        for e in events:
+            e.complete()
+        if not armed[0]:  # result() set no alarm: the worker must end the transfer, or it would hang
+            rig.let_go()
+
+    lander = threading.Thread(target=land)
+    lander.start()
+    assert transfer.result().kind == "store"
+    lander.join()
+    assert armed == [True], "result() did not sleep until the last copy rang"
+    assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
+    assert rig.copier.flag.released.is_set()
+
+
+def test_a_cancel_ends_a_thread_asleep_until_a_load_lands(rig, monkeypatch):
+    """The waiter sleeping until the last copy lands learns of a cancel within the chunk copying
+    now: it raises TransferCancelled though the later copies (their DMAs) have not completed.
+    The worker's end of the transfer rings it."""
+    monkeypatch.setattr(rig.worker, "RECHECK_ASLEEP_S", 60.0)  # only a ring wakes the waiter
+    chose = threading.Event()  # the worker chose the copy the cancelled transfer ends with
+    choose = rig.worker._end_at_first_incomplete
+
+    def choose_and_tell(job) -> None:
+        choose(job)
+        chose.set()
+
+    monkeypatch.setattr(rig.worker, "_end_at_first_incomplete", choose_and_tell)
+    transfer, steps, events = rig.start()
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            transfer.result()
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert events[-1].alarmed.wait(10), "result() did not sleep until the last copy rang"
+    assert transfer.cancel()
+    assert chose.wait(10)
+    events[0].complete()  # the copy running at the cancel; the later ones' DMAs still run
+    waiter.join(10)
+    assert not waiter.is_alive() and len(outcome) == 1 and isinstance(outcome[0], kvoffload.TransferCancelled)
+    assert steps.ends == [(None, True)] and steps.landings == []
+
+
 @pytest.mark.asyncio
 async def test_await_and_done_end_a_landed_transfer_without_its_worker(rig):
     transfer, steps, events = rig.start()

@@ -1,13 +1,16 @@
 """Calls into the worker loops' mailboxes (woken through a pipe written without releasing the GIL):
-each runs once, in the order each thread posted it; a stopped loop refuses posts and keeps no fd."""
+each runs once, in the order each thread posted it; a stopped loop refuses posts and keeps no fd.
+Alarms wake a sleeping thread when rung from Python or from C, and keep a ring that came first."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
 import pytest
 
+from kvoffload._core.cross_thread import Alarm, give_back_alarm, take_alarm
 from kvoffload._core.worker_loop import WorkerLoop
 
 
@@ -55,3 +58,25 @@ def test_a_stopped_loop_refuses_posts_and_keeps_no_fd():
         with pytest.raises(RuntimeError):
             loop.mailbox.post(ran.set)
     assert _open_fds() == before
+
+
+def test_an_alarm_wakes_its_sleeper_when_rung_from_c_and_keeps_an_early_ring():
+    alarm = Alarm()
+    assert not alarm.sleep(0.01)  # nobody rang
+    alarm.ring()
+    assert alarm.sleep(10)  # rung before the sleep: kept
+    ring_from_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(Alarm.RING_FUNCTION)  # as the driver's host function
+    woke: list[bool] = []
+    sleeper = threading.Thread(target=lambda: woke.append(alarm.sleep(10)))
+    sleeper.start()
+    ring_from_c(alarm.address)
+    sleeper.join(10)
+    assert woke == [True]
+
+
+def test_alarms_go_back_to_the_pool_not_away():
+    """An alarm handed to the driver may be rung after its sleeper left: the pool keeps it alive."""
+    alarm = take_alarm()
+    give_back_alarm(alarm)
+    assert take_alarm() is alarm
+    give_back_alarm(alarm)

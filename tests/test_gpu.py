@@ -402,6 +402,41 @@ async def test_cancel_mid_transfer_leaves_no_torn_entry():
         await check_every_visible_key(off, caches, orig, {("again", i): 511 - i for i in range(512 - s.host_ready)})
 
 
+def test_a_thread_blocked_on_a_load_of_several_chunks_ends_it_itself():
+    """result() on a load of several chunks (one a cancel can stop early) sleeps until the driver
+    rings it after the last copy, then ends the load in its own thread: it returns, byte-exact,
+    while the load worker is held. The waiting thread never used CUDA before."""
+    caches = gpu_caches(256)
+    orig = {n: t.clone() for n, t in caches.items()}
+    src, dst = list(range(200)), [255 - i for i in range(200)]
+    with kvoffload.Offloader(caches, host_blocks=220, chunk_bytes=16 * caches_block(caches)) as off:
+        off.store({i: src[i] for i in range(200)}).result()
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        held, release = threading.Event(), threading.Event()
+        load_worker = off._runtime.workers[1]
+        assert load_worker.kind == "load"
+        load_worker.loop.mailbox.post(lambda: (held.set(), release.wait(60)))
+        assert held.wait(10)
+        try:
+            t = off.load({i: dst[i] for i in range(200)})
+            assert t._finisher is not None and t._canceller is not None, "not a load a cancel stops early"
+            outcome: list[object] = []
+            waiter = threading.Thread(target=lambda: outcome.append(t.result()))
+            waiter.start()
+            waiter.join(30)
+            ended_by_its_waiter = not waiter.is_alive()
+        finally:
+            release.set()
+        waiter.join(30)
+        assert ended_by_its_waiter, "result() waited for the held worker"
+        assert len(outcome) == 1 and outcome[0].kind == "load"
+        torch.cuda.synchronize()
+        for n in caches:
+            assert same_bytes(caches[n][dst], orig[n][src]), n
+
+
 @pytest.mark.asyncio
 async def test_many_concurrent_transfers_gpu():
     caches = gpu_caches(128)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .cross_thread import Alarm
 from .layout import BlockLayout, runs
 from .options import Options
 
@@ -50,6 +51,11 @@ class BlockCopier(Protocol):
 
     def stops_on(self, flag: Any) -> AbstractContextManager[None]:
         """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
+        ...
+
+    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
+        """Have ``alarm`` rung once ``event`` (one of this copier's completion events) completes,
+        without Python running meanwhile."""
         ...
 
     def close(self) -> None:
@@ -90,6 +96,9 @@ class CpuBlockCopier:
 
     def stops_on(self, flag: Any) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
+        alarm.ring()  # CPU copies are complete when they return
 
     def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         if self._memcpy is not None:

@@ -39,6 +39,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 
 from .block_copy import BlockCopier
+from .cross_thread import Alarm, give_back_alarm, take_alarm
 from .errors import OffloadError, TransferError
 from .foreign import ForeignCallError, call_foreign
 from .transfer import Transfer, TransferResult
@@ -151,7 +152,7 @@ class QuickJob:
     transfer is finished.
     """
 
-    __slots__ = ("transfer", "steps", "on_end", "requests", "enqueued", "next_landing", "ended")
+    __slots__ = ("transfer", "steps", "on_end", "requests", "enqueued", "next_landing", "ended", "sleepers")
 
     def __init__(
         self, transfer: Transfer, steps: JobSteps, on_end: EndHook, *,
@@ -164,10 +165,15 @@ class QuickJob:
         self.enqueued = enqueued
         self.next_landing = 0
         self.ended = False
+        self.sleepers: list[Alarm] = []
+        """Alarms of threads asleep until the job's copies land (:meth:`CopyWorker.finish_landed`): rung at its end."""
 
 
 class CopyWorker:
     """One direction's worker: loop thread + block copier + completion bridge."""
+
+    RECHECK_ASLEEP_S = 0.1
+    """A thread asleep until a job's copies land looks again this often, should a ring never come."""
 
     def __init__(
         self, kind: Literal["store", "load"], loop: WorkerLoop, copier: BlockCopier, bridge: Any, calls: CopyCalls, depth: int = 3
@@ -261,20 +267,22 @@ class CopyWorker:
         """From any thread: if every copy of ``job`` (enqueued at call time) has completed, report its
         landings and end it here, unless it ended or was cancelled; True if it ended here.
 
-        ``wait``: first sleep until its last copy completes (the GIL released), unless it can end
-        early (a load with a cancel flag): one take of the GIL when it lands, where a waiter woken
-        by the worker needs two (the worker's, then its own), each up to the interpreter's switch
-        interval behind a thread busy in Python."""
+        ``wait``: first sleep until its last copy completes (the GIL released): one take of the GIL
+        when it lands, where a waiter woken by the worker needs two (the worker's, then its own), each
+        up to the interpreter's switch interval behind a thread busy in Python. In the driver when
+        nothing can end the job sooner; a load with a cancel flag sleeps on an alarm instead
+        (:meth:`_sleep_until_landed`), which its end rings too."""
         enqueued = job.enqueued
         if job.ended or enqueued is None or enqueued.error is not None or job.transfer._cancel_requested:
             return False
         events = enqueued.events
-        if events and events[-1] is not None:
+        last = events[-1] if events else None
+        if last is not None:
             if wait and enqueued.cancel_flag is None:
-                events[-1].synchronize()
+                last.synchronize()
                 if job.ended or job.transfer._cancel_requested:
                     return False
-            elif not events[-1].query():
+            elif not (self._sleep_until_landed(job, last) if wait else last.query()):
                 return False
         with self._job_lock:
             if job.ended:
@@ -289,6 +297,26 @@ class CopyWorker:
         self._release_flag(job)
         self._end(job, claimed=True, here=True)
         return True
+
+    def _sleep_until_landed(self, job: QuickJob, last: Any) -> bool:
+        """Sleep on an alarm, the GIL released, until ``last`` (``job``'s last copy event) completes,
+        rung by the driver, or ``job`` ends, rung by :meth:`_finish` (a cancel ends it within a
+        chunk); True if ``last`` completed."""
+        alarm = take_alarm()
+        job.sleepers.append(alarm)
+        try:
+            try:
+                self.copier.ring_when_complete(last, alarm)
+            except Exception:  # a failed device: the worker ends the job, and rings
+                log.debug("%s: could not enqueue a ring for a waiting thread", self.loop.name, exc_info=True)
+            while not last.query():
+                if job.ended or job.transfer._cancel_requested:
+                    return False
+                alarm.sleep(self.RECHECK_ASLEEP_S)
+            return True
+        finally:
+            job.sleepers.remove(alarm)
+            give_back_alarm(alarm)
 
     def _stop_early(self, job: QuickJob) -> None:
         """The transfer's canceller (any thread): raise its cancel flag, so that its kernels skip
@@ -505,6 +533,8 @@ class CopyWorker:
         except BaseException:
             log.exception("%s: transfer end hook raised", self.loop.name)
         job.transfer._finish(result=result, exc=exc, cancelled=cancelled)
+        for alarm in tuple(job.sleepers):
+            alarm.ring()
 
     def _end_quick_jobs(self) -> None:
         """At shutdown (on the loop): let the copies of every quick job land, then end it cancelled."""

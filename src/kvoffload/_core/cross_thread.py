@@ -13,6 +13,11 @@ caller of ``store()`` or ``load()`` then waits for the worker's whole turn in th
 its call (measured: a 4-block GPU store call of 215 us, where its copies took 87 us to
 enqueue). Woken quietly, the worker runs when the caller next lets go of the GIL (its
 ``await``, a blocking call) or after the interpreter's switch interval.
+
+An :class:`Alarm` wakes a plain thread instead: one that sleeps in a blocking call (the GIL
+released) until something rings it. C code can ring it too: the driver, through a host function on
+a stream (libc's ``sem_post`` itself, :data:`Alarm.RING_FUNCTION`), so that a thread waiting for a
+GPU copy behind a thread busy in Python is woken with no Python run on its behalf.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import asyncio
 import ctypes
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop", "event_settable_from_any_thread"]
+__all__ = ["Alarm", "take_alarm", "give_back_alarm", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop", "event_settable_from_any_thread"]
 
 
 def _gil_keeping(name: str) -> Callable[[int, Any, int], int] | None:
@@ -43,6 +49,76 @@ _read_keeping_gil = _gil_keeping("read")
 _WAKE_BYTE = ctypes.create_string_buffer(b"w", 1)
 _DRAINED = ctypes.create_string_buffer(64)
 """Where woken loops read their wake-up bytes, to throw them away (shared: nobody reads it)."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc_releasing_gil = ctypes.CDLL(None, use_errno=True)  # calls through a CDLL release the GIL: what a sleeper wants
+_sem_timedwait = _libc_releasing_gil.sem_timedwait
+_sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
+_sem_init = _libc_releasing_gil.sem_init
+_sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+_SEM_POST: int = ctypes.cast(_libc_releasing_gil.sem_post, ctypes.c_void_p).value or 0
+_sem_post_keeping_gil = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_SEM_POST)
+_EINTR = 4
+
+
+class Alarm:
+    """A POSIX semaphore a thread :meth:`sleep` s on until it is rung: by :meth:`ring` from another
+    thread, or by C code calling :data:`RING_FUNCTION` with :attr:`address`.
+
+    Take alarms from the pool (:func:`take_alarm`): an alarm handed to C code may be rung after its
+    sleeper has gone, so its memory must outlive every ring enqueued for it; the pool never frees
+    one. A ring meant for an earlier sleeper may wake a later one early: sleepers re-check what
+    they wait for.
+    """
+
+    __slots__ = ("_sem", "address")
+
+    RING_FUNCTION = _SEM_POST
+    """Address of a C function ``void (*)(void *)`` that rings the alarm at its argument."""
+
+    def __init__(self) -> None:
+        self._sem = (ctypes.c_uint64 * 4)()  # sizeof(sem_t) on 64-bit Linux, 8-byte aligned
+        self.address: int = ctypes.addressof(self._sem)
+        if _sem_init(self.address, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def ring(self) -> None:
+        """Wake the sleeper (the next one, if nobody sleeps now). Keeps the GIL."""
+        _sem_post_keeping_gil(self.address)
+
+    def sleep(self, timeout: float) -> bool:
+        """Sleep, the GIL released, until rung or ``timeout`` seconds pass; True if rung."""
+        deadline = time.time() + timeout
+        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        while _sem_timedwait(self.address, ctypes.byref(ts)) != 0:
+            if ctypes.get_errno() != _EINTR:
+                return False
+        return True
+
+
+_idle_alarms: list[Alarm] = []
+_every_alarm: list[Alarm] = []  # never freed: see Alarm
+_alarms_lock = threading.Lock()
+
+
+def take_alarm() -> Alarm:
+    """An alarm from the process's pool (a new one when every alarm is taken)."""
+    with _alarms_lock:
+        if _idle_alarms:
+            return _idle_alarms.pop()
+        alarm = Alarm()
+        _every_alarm.append(alarm)
+        return alarm
+
+
+def give_back_alarm(alarm: Alarm) -> None:
+    """Return ``alarm`` to the pool (rings still on their way only wake a later sleeper early)."""
+    with _alarms_lock:
+        _idle_alarms.append(alarm)
 
 
 class Mailbox:

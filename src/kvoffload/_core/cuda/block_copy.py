@@ -38,6 +38,7 @@ the kernel stream, so each direction's completions arrive in submission order.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cross_thread import Alarm
 from ..layout import BlockLayout, runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
@@ -86,6 +88,9 @@ class CudaBlockCopier:
         self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority if kernel_priority is None else kernel_priority)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
+        # Rings for threads asleep until a load lands: host functions wait here, delaying no copy.
+        self._alarm_stream = torch.cuda.Stream(device=layout.device)
+        self._alarm_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
@@ -131,6 +136,15 @@ class CudaBlockCopier:
         # Both streams touch cache blocks: kernels when staged, DMA when direct.
         self._calls.wait(self._kstream, handle)
         self._calls.wait(self._cstream, handle)
+
+    def ring_when_complete(self, event: DriverEvent, alarm: Alarm) -> None:
+        """Have the driver ring ``alarm`` once ``event`` completes: a stream of its own waits for the
+        event, then calls libc's ``sem_post`` as a host function (no Python, no GIL)."""
+        self._calls.ensure_context(self._device_index)
+        stream = self._alarm_stream.cuda_stream
+        with self._alarm_lock:  # one waiting thread's wait and ring at a time: each ring after its event
+            self._calls.wait(stream, event.handle)
+            self._calls.launch_host_func(stream, Alarm.RING_FUNCTION, alarm.address)
 
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)

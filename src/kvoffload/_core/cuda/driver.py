@@ -223,34 +223,39 @@ class BatchCopy:
 # a transfer made of a few hundred such calls then crawls. The calls below only put work on a
 # stream or ask about it and return in microseconds, so they are made through ctypes.PYFUNCTYPE,
 # which keeps the GIL: a transfer is enqueued whole without handing the GIL to anyone.
+# cuEventSynchronize, which sleeps, releases it: once, where cuda-bindings would release it at
+# each of its calls (making the context current, waiting, restoring the context).
 
 _VOID_P = ctypes.c_void_p
 
 
 class EnqueueCalls:
-    """Driver entry points (``cuGetProcAddress``) called while holding the GIL."""
+    """Driver entry points (``cuGetProcAddress``) called while holding the GIL (but the one that sleeps)."""
 
     def __init__(self) -> None:
         cu = driver()
         flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
 
-        def resolve(name: str, *argtypes: Any) -> Any:
+        def resolve(name: str, *argtypes: Any, releasing_gil: bool = False) -> Any:
             err, pfn, _status = cu.cuGetProcAddress(name.encode(), 12000, flags)
             check(f"cuGetProcAddress({name})", err)
             if not int(pfn):
                 raise CudaError(f"cuGetProcAddress({name})", 500, "CUDA_ERROR_NOT_FOUND", "no such driver entry point")
-            return ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(int(pfn))
+            prototype = ctypes.CFUNCTYPE if releasing_gil else ctypes.PYFUNCTYPE  # only calls that sleep release it
+            return prototype(ctypes.c_int, *argtypes)(int(pfn))
 
         self.ctx_get_current = resolve("cuCtxGetCurrent", _VOID_P)
         self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
         self.event_destroy = resolve("cuEventDestroy", _VOID_P)
         self.event_record = resolve("cuEventRecord", _VOID_P, _VOID_P)
         self.event_query = resolve("cuEventQuery", _VOID_P)
+        self.event_synchronize = resolve("cuEventSynchronize", _VOID_P, releasing_gil=True)
         self.stream_wait_event = resolve("cuStreamWaitEvent", _VOID_P, _VOID_P, ctypes.c_uint)
         self.launch_kernel = resolve(
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
+        self.host_func_launch = resolve("cuLaunchHostFunc", _VOID_P, _VOID_P, _VOID_P)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
 
@@ -271,6 +276,13 @@ class EnqueueCalls:
         err = self.stream_wait_event(stream, event_handle, 0)
         if err:
             check("cuStreamWaitEvent", err)
+
+    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
+        """Enqueue the C function at address ``fn``, called with ``data`` on the driver's thread
+        once ``stream`` reaches it."""
+        err = self.host_func_launch(stream, fn, data)
+        if err:
+            check("cuLaunchHostFunc", err)
 
 
 @lru_cache(maxsize=1)
@@ -326,12 +338,12 @@ class DriverEvent:
         return True
 
     def synchronize(self) -> None:
-        """Block (asleep, the GIL released) until the event has completed."""
-        cu = driver()
-        with context_for(self._device):
-            (err,) = cu.cuEventSynchronize(cu.CUevent(self.handle))
-        if int(err):
-            log.error("cuEventSynchronize failed: %s", err)
+        """Block (asleep, the GIL released once: behind a thread busy in Python, each take of
+        the GIL may wait a switch interval) until the event has completed."""
+        self._calls.ensure_context(self._device)
+        err = self._calls.event_synchronize(self.handle)
+        if err:
+            log.error("cuEventSynchronize failed with CUDA error %d", err)
 
     def __del__(self) -> None:
         if self.handle:
