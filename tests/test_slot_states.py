@@ -157,6 +157,18 @@ def test_lookup_never_runs_the_callers_iterable_under_the_lock():
     assert ix.lookup(k for k in ["a", "b", "c"] if k in ix) == 2
 
 
+def test_slots_freed_in_any_order_go_to_the_next_store_in_ascending_order():
+    """A store's slots ascend, however their keys were discarded: runs of consecutive host slots
+    are what its copies are batched by (one descriptor per run)."""
+    ix = BlockIndex(16, 0)
+    store(ix, *range(16))
+    ix.discard([3, 0, 9, 1, 2, 8, 15, 4, 5, 6, 7, 10, 14, 11, 12, 13])
+    r = ix.reserve([("again", i) for i in range(16)])
+    assert [e.slot for e in r.entries] == list(range(16))
+    ix.publish(r.entries)
+    ix.check()
+
+
 # -- the model: random interleavings of the tiers' protocol -------------------------------------
 
 HOST_SLOTS, DISK_SLOTS = 4, 6

@@ -115,6 +115,17 @@ class _Tier:
         self.owner[slot] = entry
         return slot
 
+    def take_in_order(self, entries: list[Entry]) -> None:
+        """Give each of ``entries`` a free slot, in ascending order: consecutive slots make one copy
+        descriptor per run (slots freed in some order, say by a discard, are taken back sorted)."""
+        if not entries:
+            return
+        slots = sorted(self.free[-len(entries):])
+        del self.free[-len(entries):]
+        for e, slot in zip(entries, slots):
+            self.owner[slot] = e
+            e.slot = slot
+
 
 class BlockIndex:
     """One index over the host and disk tiers."""
@@ -241,8 +252,7 @@ class BlockIndex:
             # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
             entries = [Entry(key, State.PENDING, t, -1) for key in new_keys]
             n_free = len(entries) - len(to_spill)
-            for e in entries[:n_free]:
-                e.slot = tier.take(e)
+            tier.take_in_order(entries[:n_free])
             spills = []
             for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
                 v.state = State.SPILLING
