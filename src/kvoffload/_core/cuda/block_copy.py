@@ -67,6 +67,11 @@ def _current_raw_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
+def _event_handle(event: Any) -> int:
+    """The raw ``CUevent`` of a :class:`DriverEvent` or a ``torch.cuda.Event`` (0: never recorded)."""
+    return event.handle if isinstance(event, DriverEvent) else int(event.cuda_event)
+
+
 class CudaBlockCopier:
     """One direction's streams, staging buffers and batched copy."""
 
@@ -130,20 +135,21 @@ class CudaBlockCopier:
     def wait_for(self, event: Any) -> None:
         """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)."""
         self._calls.ensure_context(self._device_index)
-        handle = event.handle if isinstance(event, DriverEvent) else event.cuda_event
+        handle = _event_handle(event)
         if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
             return
         # Both streams touch cache blocks: kernels when staged, DMA when direct.
         self._calls.wait(self._kstream, handle)
         self._calls.wait(self._cstream, handle)
 
-    def ring_when_complete(self, event: DriverEvent, alarm: Alarm) -> None:
-        """Have the driver ring ``alarm`` once ``event`` completes: a stream of its own waits for the
-        event, then calls libc's ``sem_post`` as a host function (no Python, no GIL)."""
+    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
+        """Have the driver ring ``alarm`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
+        completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
+        function (no Python, no GIL)."""
         self._calls.ensure_context(self._device_index)
         stream = self._alarm_stream.cuda_stream
         with self._alarm_lock:  # one waiting thread's wait and ring at a time: each ring after its event
-            self._calls.wait(stream, event.handle)
+            self._calls.wait(stream, _event_handle(event))
             self._calls.launch_host_func(stream, Alarm.RING_FUNCTION, alarm.address)
 
     def _record(self, stream: int) -> DriverEvent:
