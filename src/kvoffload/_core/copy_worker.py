@@ -301,8 +301,11 @@ class CopyWorker:
     def _sleep_until_landed(self, job: QuickJob, last: Any) -> bool:
         """Sleep on an alarm, the GIL released, until ``last`` (``job``'s last copy event) completes,
         rung by the driver, or ``job`` ends, rung by :meth:`_finish` (a cancel ends it within a
-        chunk); True if ``last`` completed."""
-        alarm = take_alarm()
+        chunk); True if ``last`` completed. Without alarms (no POSIX semaphores): only asks."""
+        try:
+            alarm = take_alarm()
+        except OSError:
+            return bool(last.query())
         job.sleepers.append(alarm)
         try:
             try:

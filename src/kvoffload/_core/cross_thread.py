@@ -55,19 +55,28 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_libc_releasing_gil = ctypes.CDLL(None, use_errno=True)  # calls through a CDLL release the GIL: what a sleeper wants
-_sem_timedwait = _libc_releasing_gil.sem_timedwait
-_sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
-_sem_init = _libc_releasing_gil.sem_init
-_sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
-_SEM_POST: int = ctypes.cast(_libc_releasing_gil.sem_post, ctypes.c_void_p).value or 0
-_sem_post_keeping_gil = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_SEM_POST)
+def _semaphore_calls() -> tuple[Any, Any, int, Any] | None:
+    """libc's ``sem_init``, ``sem_timedwait`` (both releasing the GIL, what a sleeper wants), the
+    address of ``sem_post`` and ``sem_post`` keeping the GIL; None where libc lacks them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        init, timedwait, post = libc.sem_init, libc.sem_timedwait, libc.sem_post
+    except (OSError, AttributeError):
+        return None
+    init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+    timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
+    address = ctypes.cast(post, ctypes.c_void_p).value or 0
+    return init, timedwait, address, ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(address)
+
+
+_SEMAPHORES = _semaphore_calls()
 _EINTR = 4
 
 
 class Alarm:
-    """A POSIX semaphore a thread :meth:`sleep` s on until it is rung: by :meth:`ring` from another
-    thread, or by C code calling :data:`RING_FUNCTION` with :attr:`address`.
+    """A POSIX semaphore that a thread sleeps on (:meth:`sleep`) until it is rung: by :meth:`ring`
+    from another thread, or by C code calling :data:`RING_FUNCTION` with :attr:`address`.
+    Making one raises ``OSError`` where libc has no semaphores.
 
     Take alarms from the pool (:func:`take_alarm`): an alarm handed to C code may be rung after its
     sleeper has gone, so its memory must outlive every ring enqueued for it; the pool never frees
@@ -77,24 +86,28 @@ class Alarm:
 
     __slots__ = ("_sem", "address")
 
-    RING_FUNCTION = _SEM_POST
+    RING_FUNCTION = _SEMAPHORES[2] if _SEMAPHORES is not None else 0
     """Address of a C function ``void (*)(void *)`` that rings the alarm at its argument."""
 
     def __init__(self) -> None:
+        if _SEMAPHORES is None:
+            raise OSError("libc has no POSIX semaphores here")
         self._sem = (ctypes.c_uint64 * 4)()  # sizeof(sem_t) on 64-bit Linux, 8-byte aligned
         self.address: int = ctypes.addressof(self._sem)
-        if _sem_init(self.address, 0, 0) != 0:
+        if _SEMAPHORES[0](self.address, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
 
     def ring(self) -> None:
         """Wake the sleeper (the next one, if nobody sleeps now). Keeps the GIL."""
-        _sem_post_keeping_gil(self.address)
+        assert _SEMAPHORES is not None
+        _SEMAPHORES[3](self.address)
 
     def sleep(self, timeout: float) -> bool:
         """Sleep, the GIL released, until rung or ``timeout`` seconds pass; True if rung."""
+        assert _SEMAPHORES is not None
         deadline = time.time() + timeout
         ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        while _sem_timedwait(self.address, ctypes.byref(ts)) != 0:
+        while _SEMAPHORES[1](self.address, ctypes.byref(ts)) != 0:
             if ctypes.get_errno() != _EINTR:
                 return False
         return True
@@ -106,7 +119,8 @@ _alarms_lock = threading.Lock()
 
 
 def take_alarm() -> Alarm:
-    """An alarm from the process's pool (a new one when every alarm is taken)."""
+    """An alarm from the process's pool (a new one when every alarm is taken); ``OSError`` where
+    alarms cannot be made."""
     with _alarms_lock:
         if _idle_alarms:
             return _idle_alarms.pop()
