@@ -130,8 +130,9 @@ class Transfer:
         Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds,
         :class:`TransferCancelled` if it was cancelled, or the transfer's error.
         Do not call this on a running event loop: await the transfer instead.
-        Without a timeout, a GPU transfer that no cancel flag could end early (a store, a load
-        of one chunk) is waited for asleep in the driver and ended in this thread.
+        Without a timeout, a GPU transfer is waited for asleep (the GIL released) until its copies
+        land, then ended in this thread: in the driver, or for a load of several chunks (which a
+        cancel ends sooner) on an alarm the driver rings after its last copy.
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
