@@ -82,6 +82,27 @@ class _Rig:
         self.worker.start_quick(QuickJob(transfer, steps, steps.ended, enqueued=enqueued))
         return transfer, steps, self.copier.events[first:]
 
+    def result_landing_once_asleep(self, transfer, events, asleep: threading.Event):
+        """``transfer.result()`` in this thread with the worker held, while another thread completes
+        ``events`` once ``asleep`` says the waiter sleeps; returns (the result, whether it slept).
+        Should the waiter never sleep, the worker is let go to end the transfer: the test then fails
+        on the returned flag instead of hanging."""
+        self.hold()
+        slept: list[bool] = []
+
+        def land() -> None:
+            slept.append(asleep.wait(10))
+            for e in events:
+                e.complete()
+            if not slept[0]:
+                self.let_go()
+
+        lander = threading.Thread(target=land)
+        lander.start()
+        result = transfer.result()
+        lander.join()
+        return result, slept[0]
+
     def close(self) -> None:
         self.let_go()
         for e in self.copier.events:
@@ -117,21 +138,9 @@ def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
     its last copy completes, then ends it: no wake-up from the worker needed (the worker is held)."""
     rig.copier.flag = None
     transfer, steps, events = rig.start()
-    rig.hold()
-    slept = []
-
-    def land() -> None:
-        slept.append(events[-1].waited.wait(10))
-        for e in events:
-            e.complete()
-        if not slept[0]:  # result() did not sleep on the copy: the worker must end it, or it would hang
-            rig.let_go()
-
-    lander = threading.Thread(target=land)
-    lander.start()
-    assert transfer.result().kind == "store"
-    lander.join()
-    assert slept == [True], "result() did not sleep on the last copy's event"
+    result, slept = rig.result_landing_once_asleep(transfer, events, events[-1].waited)
+    assert result.kind == "store"
+    assert slept, "result() did not sleep on the last copy's event"
     assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
 
 
@@ -141,21 +150,9 @@ def test_result_on_a_load_that_can_stop_early_sleeps_until_it_lands_and_ends_it_
     ends the transfer itself: no wake-up from the worker needed (the worker is held)."""
     assert rig.copier.flag is not None
     transfer, steps, events = rig.start()
-    rig.hold()
-    armed = []
-
-    def land() -> None:
-        armed.append(events[-1].alarmed.wait(5))
-        for e in events:
-            e.complete()
-        if not armed[0]:  # result() set no alarm: the worker must end the transfer, or it would hang
-            rig.let_go()
-
-    lander = threading.Thread(target=land)
-    lander.start()
-    assert transfer.result().kind == "store"
-    lander.join()
-    assert armed == [True], "result() did not sleep until the last copy rang"
+    result, slept = rig.result_landing_once_asleep(transfer, events, events[-1].alarmed)
+    assert result.kind == "store"
+    assert slept, "result() did not sleep until the last copy rang"
     assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
     assert rig.copier.flag.released.is_set()
 
