@@ -657,7 +657,7 @@ def test_after_is_typed_as_an_optional_cuda_event(make_offloader, caches):
     for method in (kvoffload.Offloader.store, kvoffload.Offloader.load):
         hints = typing.get_type_hints(method)
         assert hints["after"] == typing.Optional[torch.cuda.Event], hints["after"]
-    assert typing.get_type_hints(kvoffload.Offloader.aclose)["timeout"] is float
+    assert typing.get_type_hints(kvoffload.Offloader.aclose)["timeout"] == typing.Optional[float]
     off = make_offloader(caches, host_blocks=4)
     with pytest.raises((TypeError, ValueError)):
         off.store({"a": 0}, after=object())  # CPU caches: after= is refused whatever it is

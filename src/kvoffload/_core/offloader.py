@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 
-from .errors import ClosedError, StartError
-from .helper_threads import off_any_loop, off_loop
+from .deadline import Deadline, check_timeout
+from .errors import ClosedError, CloseError, StartError
+from .helper_threads import HelperThread, off_any_loop, off_loop
 from .layout import BlockLayout, check_block_mapping
 from .options import Options
 from .runtime import Runtime, finalize_runtime, process_generation
-from .stats import OffloaderStats, TransferCounters
+from .stats import OffloaderStats, TierCounts, TransferCounters
 from .tiers.tiered_storage import TieredStorage
 from .transfer import Transfer, TransferResult
 
@@ -92,9 +94,15 @@ class Offloader:
             expedited_loads=expedited_loads,
         )
         self._lock = threading.Lock()
+        """Guards the lifecycle state below; held briefly, never across caller code or a copy."""
+        self._calls_ended = threading.Condition(self._lock)
+        self._calls: dict[int, int] = {}
+        """Threads (by ident) inside store()/load(), with their call depth: close() waits for them."""
         self._runtime: Runtime | None = None
         self._closed = False
         self._counters = TransferCounters()
+        self._tier_counts_closed = TierCounts()
+        """The tiers' counters as they closed: ``stats()`` never counts less after close."""
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pid = os.getpid()
         self._generation = process_generation()
@@ -135,43 +143,69 @@ class Offloader:
                 self._finalizer.atexit = False  # the exit handler closes every live runtime
         return self
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float | None = 30.0) -> None:
         """Cancel in-flight transfers, wait for their queued copies, join the threads, free memory, remove the disk file.
 
         Transfers still running end cancelled (their waiters get :class:`TransferCancelled`),
-        having published none of their unfinished keys. May be called from any thread:
-        on one of the offloader's own threads (in a done callback, say) it cannot wait
-        for itself, so it hands the shutdown to a thread named ``kvoffload-close`` and
-        returns at once. Idempotent. Raises :class:`CloseError` if a thread does not
-        stop within ``timeout`` seconds; memory and the disk file are then kept, and a
-        later ``close()`` finishes the job. In a forked child it only drops the
-        offloader's references: the parent's memory and file are left alone.
+        having published none of their unfinished keys. ``timeout`` bounds the whole close, in
+        seconds (None: no limit); a ``store()`` or ``load()`` call running in another thread is
+        waited for within it. May be called from any thread: where it cannot wait for what it
+        closes (on one of the offloader's own threads, in a done callback, say, or inside a
+        ``store()``/``load()`` call of this thread, from a key's ``__hash__``) it hands the shutdown
+        to a thread named ``kvoffload-close`` and returns at once. Idempotent. Raises
+        :class:`CloseError` if a thread or call does not end within ``timeout``; memory and the
+        disk file are then kept, and a later ``close()`` finishes the job. ``TypeError`` /
+        ``ValueError`` for a ``timeout`` that is not a number >= 0 or None, before anything is done.
+        In a forked child it only drops the offloader's references: the parent's memory and file
+        are left alone.
         """
+        timeout = check_timeout(timeout)
         if self._generation != process_generation():  # a forked child: nothing here is ours to release
             self._closed = True
             self._runtime = None
             if self._finalizer is not None:
                 self._finalizer.detach()
             return
-        with self._lock:
+        deadline = Deadline(timeout)
+        if not self._lock.acquire(timeout=deadline.lock_timeout()):  # held only briefly, or by a starting offloader
+            raise CloseError(f"the offloader was busy starting for more than {timeout} s; call close() again")
+        try:
             self._closed = True
             rt = self._runtime
-        if rt is None:
-            return
-        rt.close(timeout)
+            if rt is None:
+                return
+            if threading.get_ident() in self._calls:  # our own store()/load() call is below us
+                HelperThread(target=self._close_logged, args=(timeout,), name="kvoffload-close").start()
+                return
+            if not self._calls_ended.wait_for(lambda: not self._calls, deadline.left()):
+                raise CloseError(
+                    f"a store() or load() call in another thread did not return within {timeout} s; call close() again"
+                )
+        finally:
+            self._lock.release()
+        rt.close(deadline.left())
         if rt.closed:
             with self._lock:
                 if self._runtime is rt:
+                    if rt.final_counts is not None:
+                        self._tier_counts_closed = rt.final_counts
                     self._runtime = None
             if self._finalizer is not None:
                 self._finalizer.detach()
 
-    async def aclose(self, timeout: float = 30.0) -> None:
+    def _close_logged(self, timeout: float | None) -> None:
+        try:
+            self.close(timeout)
+        except Exception:
+            log.exception("kvoffload: closing the offloader failed; call close() again to finish")
+
+    async def aclose(self, timeout: float | None = 30.0) -> None:
         """:meth:`close` on a thread of its own (``kvoffload-close``): the event loop keeps running.
 
         Shielded: if the awaiting task is cancelled, the close still completes, then the
         task's cancellation is raised. Raises :class:`CloseError` as ``close()`` does.
         """
+        timeout = check_timeout(timeout)
         if self._closed and self._runtime is None:
             return
         if asyncio._get_running_loop() is None:  # trio, or anyio on trio
@@ -241,6 +275,25 @@ class Offloader:
             raise ClosedError("the offloader is closed")
         return storage
 
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[TieredStorage]:
+        """The running storage, for one ``store()``/``load()`` call: close() waits until the call
+        has returned (the lock is held only to count it, never across its work)."""
+        self._check_process()
+        me = threading.get_ident()
+        with self._lock:
+            storage = self._running_storage()
+            self._calls[me] = self._calls.get(me, 0) + 1
+        try:
+            yield storage
+        finally:
+            with self._lock:
+                depth = self._calls.pop(me) - 1
+                if depth:
+                    self._calls[me] = depth
+                else:
+                    self._calls_ended.notify_all()
+
     # -- transfers ----------------------------------------------------------------
 
     def store(self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None) -> Transfer:
@@ -255,18 +308,8 @@ class Offloader:
         """
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False)
         self._check_after(after)
-        self._check_process()
-        with self._lock:
-            storage = self._running_storage()
-            plan = storage.plan_store(checked)
-            if not plan.reservation.entries:
-                t = Transfer("store")
-                t._finish(result=TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
-                return t
-            transfer = Transfer("store")
-            self._counters.started()
-            storage.start_store(transfer, plan, after)
-            return transfer
+        with self._call() as storage:
+            return storage.store(checked, after)
 
     def load(
         self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None, per_tensor: bool = False,
@@ -289,18 +332,8 @@ class Offloader:
         """
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True)
         self._check_after(after)
-        self._check_process()
-        with self._lock:
-            storage = self._running_storage()
-            if not checked:
-                t = Transfer("load")
-                t._finish(result=TransferResult("load", (), (), 0, 0.0))
-                return t
-            plan = storage.plan_load(checked)
-            transfer = Transfer("load")
-            self._counters.started()
-            storage.start_load(transfer, plan, after, per_tensor, expedited)
-            return transfer
+        with self._call() as storage:
+            return storage.load(checked, after, per_tensor, expedited)
 
     def _check_after(self, after: object) -> None:
         if after is None:
@@ -329,27 +362,25 @@ class Offloader:
         return self._running_storage().index.discard(keys)
 
     def stats(self) -> OffloaderStats:
-        """A snapshot of slot use and transfer counters."""
+        """A snapshot of slot use and transfer counters. Counters never go down, also across ``close()``."""
         self._check_process()
         rt = self._runtime
-        storage = rt.storage if rt is not None else None
-        c = storage.index.counts() if storage is not None else {}
-        io = storage.disk.file.io_counts() if storage is not None and storage.disk is not None else {}
+        tiers = self._tier_counts_closed if rt is None else rt.tier_counts()
         k = self._counters
         with k.lock:
             return OffloaderStats(
                 host_slots=self._options.host_blocks,
-                host_free=c.get("host_free", 0),
+                host_free=tiers.host_free,
                 disk_slots=self._options.disk_blocks,
-                disk_free=c.get("disk_free", 0),
-                ready=c.get("host_ready", 0) + c.get("disk_ready", 0),
-                host_ready=c.get("host_ready", 0),
-                disk_ready=c.get("disk_ready", 0),
-                pending=c.get("pending", 0),
-                pinned=c.get("pinned", 0),
-                spilling=c.get("spilling", 0),
-                evicted=c.get("evicted", 0),
-                spilled=c.get("spilled", 0),
+                disk_free=tiers.disk_free,
+                ready=tiers.host_ready + tiers.disk_ready,
+                host_ready=tiers.host_ready,
+                disk_ready=tiers.disk_ready,
+                pending=tiers.pending,
+                pinned=tiers.pinned,
+                spilling=tiers.spilling,
+                evicted=tiers.evicted_host + tiers.evicted_disk,
+                spilled=tiers.spilled,
                 in_flight=k.in_flight,
                 stores=k.stores,
                 loads=k.loads,
@@ -361,12 +392,11 @@ class Offloader:
                 lookup_hits=k.lookup_hits,
                 keys_loaded_from_host=k.keys_loaded_from_host,
                 keys_loaded_from_disk=k.keys_loaded_from_disk,
-                evicted_host=c.get("evicted_host", 0),
-                evicted_disk=c.get("evicted_disk", 0),
-                disk_bytes_written=io.get("bytes_written", 0),
-                disk_bytes_read=io.get("bytes_read", 0),
-                disk_io_errors=io.get("errors", 0),
+                evicted_host=tiers.evicted_host,
+                evicted_disk=tiers.evicted_disk,
+                disk_bytes_written=tiers.disk_bytes_written,
+                disk_bytes_read=tiers.disk_bytes_read,
+                disk_io_errors=tiers.disk_io_errors,
                 bytes_stored_partially=k.bytes_stored_partially,
                 latency=k.latency(),
             )
-

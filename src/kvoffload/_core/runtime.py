@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .cuda.events import make_bridge
+from .deadline import Deadline
 from .errors import CloseError
 from .helper_threads import HelperThread, on_worker_thread
 from .copy_worker import CopyCalls, CopyWorker, CopyWorkers
@@ -24,7 +25,7 @@ from .layout import BlockLayout
 from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
 from .options import Options
-from .stats import TransferCounters
+from .stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
 from .tiers.tiered_storage import TieredStorage
 
@@ -102,6 +103,8 @@ class Runtime:
         self.generation = _generation
         self.layout = layout
         self.storage: TieredStorage | None = None
+        self.final_counts: TierCounts | None = None
+        """The tiers' counts as they closed: set before :attr:`storage` is dropped."""
         self.workers: list[CopyWorker] = []
         self.copy_calls = CopyCalls()
         self.closed = False
@@ -132,30 +135,39 @@ class Runtime:
             )
         except BaseException:
             try:
-                self._close_now(5.0)
+                self._close_now(Deadline(5.0))
             except BaseException:  # stays in _live: the exit handler tries again
                 log.exception("kvoffload: cleaning up after a failed start did not finish")
             raise
 
-    def close(self, timeout: float) -> None:
-        """Release everything; from any thread. Raises CloseError if a thread did not stop in time."""
+    def tier_counts(self) -> TierCounts:
+        """The tiers' counts: live while running, as they closed afterwards (never less)."""
+        storage = self.storage
+        if storage is not None:
+            return storage.counts()
+        return self.final_counts if self.final_counts is not None else TierCounts()
+
+    def close(self, timeout: float | None) -> None:
+        """Release everything within ``timeout`` seconds in all (None: no limit); from any thread.
+        Raises CloseError if a thread did not stop in time."""
         if self.closed or self.inherited or self.generation != _generation:
             return
         if on_worker_thread():
             self._close_in_background(timeout)
             return
-        if not self._close_lock.acquire(timeout=max(timeout, 0.0)):
+        deadline = Deadline(timeout)
+        if not self._close_lock.acquire(timeout=deadline.lock_timeout()):
             raise CloseError(f"another close() of this offloader did not finish within {timeout} s")
         try:
             if not self.closed:
-                self._close_now(timeout)
+                self._close_now(deadline)
         finally:
             self._close_lock.release()
         closer = self._closer  # a handed-off close that found the work done: let it end too
         if closer is not None and closer is not threading.current_thread():
-            closer.join(timeout)
+            closer.join(deadline.left())
 
-    def _close_in_background(self, timeout: float) -> None:
+    def _close_in_background(self, timeout: float | None) -> None:
         with self._closer_lock:
             if self._closer is not None and self._closer.is_alive():
                 return
@@ -165,14 +177,15 @@ class Runtime:
             except RuntimeError as e:  # interpreter shutting down: the exit handler closes it
                 log.warning("kvoffload: could not start a thread to close the offloader (%s)", e)
 
-    def _close_logged(self, timeout: float) -> None:
+    def _close_logged(self, timeout: float | None) -> None:
         try:
             self.close(timeout)
         except Exception:
             log.exception("kvoffload: closing the offloader failed; call close() again to finish")
 
-    def _close_now(self, timeout: float) -> None:
-        stuck = [worker.loop.name for worker in self.workers if not worker.loop.stop(timeout)]
+    def _close_now(self, deadline: Deadline) -> None:
+        timeout = deadline.timeout
+        stuck = [worker.loop.name for worker in self.workers if not worker.loop.stop(deadline.left())]
         if stuck:  # never free memory a live thread may still copy into
             raise CloseError(
                 f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"
@@ -182,14 +195,18 @@ class Runtime:
                 worker.bridge.close()
             worker.copier.close()
         self.workers = []
-        storage, self.storage = self.storage, None
+        storage = self.storage
         if storage is not None:
+            self.final_counts = storage.counts().retired()  # before the storage goes: stats() never sees less
+            self.storage = None
             disk = storage.disk
-            if not storage.close(timeout):
+            closed = storage.close(deadline.left())
+            self.final_counts = storage.counts().retired()  # with the IO counts of the closed file
+            if not closed:
                 self._disk_left = disk
                 raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
         elif self._disk_left is not None:
-            if not self._disk_left.close(timeout):
+            if not self._disk_left.close(deadline.left()):
                 raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
             self._disk_left = None
         self.closed = True

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .transfer import TransferResult
 
-__all__ = ["OffloaderStats", "LatencyHistogram", "TransferCounters", "LATENCY_BOUNDS"]
+__all__ = ["OffloaderStats", "LatencyHistogram", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 
 LATENCY_BOUNDS: tuple[float, ...] = tuple(1e-5 * 2**i for i in range(24))
 """Upper bounds (seconds) of the latency buckets: 10 us doubling up to about 84 s, then +Inf."""
@@ -27,7 +28,13 @@ class LatencyHistogram:
     count: int
 
     def quantile(self, q: float) -> float:
-        """The upper bound of the bucket holding the ``q`` quantile (``inf`` past the last bound; 0.0 if empty)."""
+        """The upper bound of the bucket holding the ``q`` quantile (``inf`` past the last bound; 0.0 if empty).
+
+        ``q`` is a number in ``[0, 1]`` (``ValueError`` otherwise)."""
+        if isinstance(q, bool) or not isinstance(q, (int, float)):
+            raise TypeError(f"q must be a number in [0, 1], got {type(q).__name__}")
+        if not 0.0 <= q <= 1.0:  # also refuses nan
+            raise ValueError(f"q must be in [0, 1], got {q!r}")
         if not self.count:
             return 0.0
         rank, seen = q * self.count, 0
@@ -92,6 +99,32 @@ class OffloaderStats:
     through host memory are on their streams by then), ``copy`` (from then to the end), ``total``."""
 
 
+@dataclass(frozen=True)
+class TierCounts:
+    """What the tiers report: slot use and entry states now, and their own counters so far."""
+
+    host_free: int = 0
+    disk_free: int = 0
+    host_ready: int = 0
+    disk_ready: int = 0
+    pending: int = 0
+    pinned: int = 0
+    spilling: int = 0
+    evicted_host: int = 0
+    evicted_disk: int = 0
+    spilled: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_io_errors: int = 0
+
+    def retired(self) -> TierCounts:
+        """These counts once the tiers are gone: the counters kept, every slot and entry gone."""
+        return TierCounts(
+            evicted_host=self.evicted_host, evicted_disk=self.evicted_disk, spilled=self.spilled,
+            disk_bytes_written=self.disk_bytes_written, disk_bytes_read=self.disk_bytes_read, disk_io_errors=self.disk_io_errors,
+        )
+
+
 class _Histogram:
     __slots__ = ("counts", "sum", "count")
 
@@ -124,6 +157,12 @@ class TransferCounters:
     def started(self) -> None:
         with self.lock:
             self.in_flight += 1
+
+    def ended_at_once(self, result: TransferResult) -> None:
+        """Count a transfer that had nothing to copy (every key skipped, or no key): done at the call."""
+        self.started()
+        now = time.perf_counter()
+        self.ended(result.kind, result, False, False, started=now, taken=now, now=now)
 
     def looked_up(self, hits: int) -> None:
         with self.lock:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..deadline import Deadline
 from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..hostmem import HostBuffer
 from ..copy_worker import CopyRequest, CopyWorkers
@@ -245,11 +246,13 @@ class DiskTier:
         """The pinned bounce buffers."""
         return list(self._bounce)
 
-    def close(self, timeout: float = 30.0) -> bool:
-        """Stop the IO threads, then close and unlink the file; False if a thread is stuck (fd leaked)."""
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop the IO threads within ``timeout`` seconds in all (None: no limit), then close and unlink
+        the file; False if a thread is stuck (fd leaked)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        deadline = Deadline(timeout)
         for t in list(getattr(self.pool, "_threads", ())):
-            t.join(timeout)
+            t.join(deadline.left())
         if any(t.is_alive() for t in getattr(self.pool, "_threads", ())):
             log.warning("disk tier: an IO thread is still running; leaving fd %d open", self.file.fd)
             return False

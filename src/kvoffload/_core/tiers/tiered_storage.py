@@ -21,7 +21,7 @@ from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, QuickJob
 from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
-from ..stats import TransferCounters
+from ..stats import TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
 from .disk import DiskTier
 from .host import HostTier, chunked
@@ -161,6 +161,8 @@ class TieredStorage:
         self.index = BlockIndex(host_blocks, disk_blocks)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
+        self._disk_io_left: dict[str, int] = {}
+        """The disk file's IO counts once the disk tier is closed."""
         try:
             if host_blocks:
                 self.host = HostTier(layout, host_blocks, workers)
@@ -197,6 +199,34 @@ class TieredStorage:
             worker.start_task(transfer, lambda: run(after), plan.cleanup, plan.ended)
 
     # -- store ------------------------------------------------------------------------
+
+    def store(self, blocks: dict[Hashable, int], after: Any) -> Transfer:
+        """Reserve slots for ``blocks`` (key -> cache block id) and start copying them in; the running transfer.
+
+        Raises CapacityError with nothing reserved. A store with nothing to copy (every key
+        stored already) is done at once, and counted."""
+        plan = self.plan_store(blocks)
+        transfer = Transfer("store")
+        if not plan.reservation.entries:
+            self._done_at_once(transfer, TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
+        else:
+            self._hand_over(self.workers.store, transfer, plan, lambda: self.start_store(transfer, plan, after))
+        return transfer
+
+    def _done_at_once(self, transfer: Transfer, result: TransferResult) -> None:
+        self.metrics.ended_at_once(result)
+        transfer._finish(result=result)
+
+    def _hand_over(self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, start: Callable[[], None]) -> None:
+        """Count ``transfer`` started and ``start()`` it on its worker. Should anything (a
+        ``KeyboardInterrupt`` from a signal handler, say) interrupt the hand-over, the transfer ends
+        cancelled, its slots and pins given back once its copies are done, before it propagates."""
+        self.metrics.started()
+        try:
+            start()
+        except BaseException:
+            worker.abandon(transfer, plan, plan.ended)
+            raise
 
     def plan_store(self, blocks: dict[Hashable, int]) -> StorePlan:
         """Reserve slots for the keys not yet present (may raise CapacityError)."""
@@ -250,6 +280,18 @@ class TieredStorage:
 
     # -- load -------------------------------------------------------------------------
 
+    def load(self, blocks: dict[Hashable, int], after: Any, per_tensor: bool, expedited: bool) -> Transfer:
+        """Pin the stored copy of every key of ``blocks`` (key -> destination block id) and start copying
+        them out; the running transfer. Raises MissingKeysError with nothing pinned."""
+        transfer = Transfer("load")
+        if not blocks:
+            self._done_at_once(transfer, TransferResult("load", (), (), 0, 0.0))
+            return transfer
+        plan = self.plan_load(blocks)
+        worker = self.workers.load  # the expedited worker, if start_load picks it, knows the transfer by then
+        self._hand_over(worker, transfer, plan, lambda: self.start_load(transfer, plan, after, per_tensor, expedited))
+        return transfer
+
     def plan_load(self, blocks: dict[Hashable, int]) -> LoadPlan:
         """Pin the current copy of every key (may raise MissingKeysError)."""
         keys = list(blocks)
@@ -301,6 +343,18 @@ class TieredStorage:
             await self.disk.load(from_disk)
         return plan.result()
 
+    def counts(self) -> TierCounts:
+        """Slot use, entry states and the tiers' counters (readable from any thread, also while or after closing)."""
+        c = self.index.counts()
+        disk = self.disk
+        io = disk.file.io_counts() if disk is not None else self._disk_io_left
+        return TierCounts(
+            host_free=c["host_free"], disk_free=c["disk_free"], host_ready=c["host_ready"], disk_ready=c["disk_ready"],
+            pending=c["pending"], pinned=c["pinned"], spilling=c["spilling"], evicted_host=c["evicted_host"],
+            evicted_disk=c["evicted_disk"], spilled=c["spilled"], disk_bytes_written=io.get("bytes_written", 0),
+            disk_bytes_read=io.get("bytes_read", 0), disk_io_errors=io.get("errors", 0),
+        )
+
     def disk_io(self) -> IoCalls | None:
         """The disk tier's system calls (the test seam), or None without a disk tier."""
         return self.disk.file.io if self.disk is not None else None
@@ -309,11 +363,13 @@ class TieredStorage:
         """The host slab and the disk tier's bounce buffers."""
         return ([self.host.buffer] if self.host is not None else []) + (self.disk.bounce_buffers() if self.disk is not None else [])
 
-    def close(self, timeout: float = 30.0) -> bool:
+    def close(self, timeout: float | None = 30.0) -> bool:
         """Free both tiers (no copy may be running); False if the disk's IO threads are stuck."""
         ok = True
-        if self.disk is not None:
-            ok = self.disk.close(timeout)
+        disk = self.disk
+        if disk is not None:
+            ok = disk.close(timeout)
+            self._disk_io_left = disk.file.io_counts()
             self.disk = None
         if self.host is not None:
             self.host.close()
