@@ -26,6 +26,28 @@ async def test_lookups_and_hits_are_counted():
 
 
 @pytest.mark.asyncio
+async def test_transfers_with_nothing_to_copy_are_counted_as_done():
+    async with kvoffload.Offloader(random_caches(8, seed=52), host_blocks=8) as off:
+        await off.store({"a": 0, "b": 1})
+        skipped = await off.store({"a": 2, "b": 3})  # every key stored already
+        assert skipped.skipped == ("a", "b") and skipped.keys == ()
+        await off.load({})
+        s = off.stats()
+        assert (s.stores, s.loads, s.in_flight, s.bytes_stored) == (2, 1, 0, 2 * off.layout.block_bytes)
+        assert s.latency[("store", "done", "total")].count == 2
+
+
+def test_latency_quantiles_check_q():
+    h = kvoffload.LatencyHistogram(bounds=(1.0, 2.0), counts=(1, 1, 0), sum=2.5, count=2)
+    assert h.quantile(0.5) == 1.0 and h.quantile(1) == 2.0 and h.quantile(0) == 1.0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="q must be in"):
+            h.quantile(bad)
+    with pytest.raises(TypeError):
+        h.quantile("0.5")  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
 async def test_loads_per_source_tier_evictions_per_tier_and_disk_bytes(tmp_path):
     caches = random_caches(16, seed=51)
     slot = kvoffload.BlockLayout.of(caches).slot_bytes

@@ -96,8 +96,8 @@ class Offloader:
         self._lock = threading.Lock()
         """Guards the lifecycle state below; held briefly, never across caller code or a copy."""
         self._calls_ended = threading.Condition(self._lock)
-        self._calls: dict[int, int] = {}
-        """Threads (by ident) inside store()/load(), with their call depth: close() waits for them."""
+        self._calls: dict[object, int] = {}
+        """The store()/load() calls running now (a token each) and their threads' idents: close() waits for them."""
         self._runtime: Runtime | None = None
         self._closed = False
         self._counters = TransferCounters()
@@ -174,7 +174,7 @@ class Offloader:
             rt = self._runtime
             if rt is None:
                 return
-            if threading.get_ident() in self._calls:  # our own store()/load() call is below us
+            if threading.get_ident() in self._calls.values():  # our own store()/load() call is below us
                 HelperThread(target=self._close_logged, args=(timeout,), name="kvoffload-close").start()
                 return
             if not self._calls_ended.wait_for(lambda: not self._calls, deadline.left()):
@@ -278,20 +278,18 @@ class Offloader:
     @contextlib.contextmanager
     def _call(self) -> Iterator[TieredStorage]:
         """The running storage, for one ``store()``/``load()`` call: close() waits until the call
-        has returned (the lock is held only to count it, never across its work)."""
+        has returned (the lock is held only to count it, never across its work). The call is
+        counted and uncounted by token, so an interrupt anywhere leaves no count behind."""
         self._check_process()
-        me = threading.get_ident()
-        with self._lock:
-            storage = self._running_storage()
-            self._calls[me] = self._calls.get(me, 0) + 1
+        token = object()
         try:
+            with self._lock:
+                storage = self._running_storage()
+                self._calls[token] = threading.get_ident()
             yield storage
         finally:
             with self._lock:
-                depth = self._calls.pop(me) - 1
-                if depth:
-                    self._calls[me] = depth
-                else:
+                if self._calls.pop(token, None) is not None and not self._calls:
                     self._calls_ended.notify_all()
 
     # -- transfers ----------------------------------------------------------------
