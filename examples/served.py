@@ -4,7 +4,9 @@ POST /generate with {"tokens": [...], "deadline_s": 5} looks up the request's pr
 blocks it finds, "computes" the others (a stand-in for the model), and stores them. A client that
 hangs up, or a request past its deadline, cancels the transfer in flight: the handler races the
 work against the client's ``http.disconnect`` and the deadline, cancels the work's task, and
-answers only once the transfer let go of its blocks. GET /stats returns ``Offloader.stats()``.
+answers only once the transfer let go of its blocks. Overload (no free cache block, or every host
+slot taken by running stores) is answered 503 with Retry-After; a prefix evicted between lookup
+and load is recomputed. GET /stats returns ``Offloader.stats()``.
 
 python examples/served.py     # serves on 127.0.0.1, sends itself a few requests (one hangs up), stops
 
@@ -30,6 +32,12 @@ from starlette.routing import Route
 import kvoffload
 
 BLOCK_TOKENS = 16
+RETRY_AFTER_S = 1
+"""What an overloaded server asks clients to wait before trying again."""
+
+
+class OutOfCacheBlocks(Exception):
+    """Every cache block is taken by requests in progress."""
 
 
 class PrefixCacheService:
@@ -62,12 +70,15 @@ class PrefixCacheService:
         keys = self.keys_for(tokens)
         with self.lock:
             if len(keys) > len(self.free_blocks):
-                raise RuntimeError("out of cache blocks")
+                raise OutOfCacheBlocks(f"{len(keys)} cache blocks needed, {len(self.free_blocks)} free")
             blocks = [self.free_blocks.pop() for _ in keys]
         try:
             hits = self.off.lookup(keys)
             if hits:
-                await self.off.load(dict(zip(keys[:hits], blocks)))  # cancelled with this task
+                try:
+                    await self.off.load(dict(zip(keys[:hits], blocks)))  # cancelled with this task
+                except kvoffload.MissingKeysError:
+                    hits = 0  # evicted since the lookup (raised at the call: nothing written): a miss
             for key, block in zip(keys[hits:], blocks[hits:]):
                 self.compute(key, block)
             if len(keys) > hits:
@@ -95,17 +106,32 @@ async def generate(request: Request) -> Response:
         gone.cancel()
         try:
             return JSONResponse(work.result())
-        except RuntimeError as e:
-            return JSONResponse({"error": str(e)}, status_code=503)
+        except (OutOfCacheBlocks, kvoffload.OffloadError) as e:
+            return error_response(e)
     work.cancel()  # cancels the transfer it awaits
     await asyncio.sleep(0)  # one loop turn: the cancellation reaches the transfer
     service.abandoned["disconnect" if gone in done else "deadline"] += 1
-    with contextlib.suppress(asyncio.CancelledError):
+    with contextlib.suppress(asyncio.CancelledError, OutOfCacheBlocks, kvoffload.OffloadError):
         await work  # returns once the transfer stopped writing and the blocks are back
     if gone in done:
         return Response(status_code=499)  # nobody reads it: the client has gone
     gone.cancel()
     return JSONResponse({"error": "deadline passed"}, status_code=504)
+
+
+def error_response(e: OutOfCacheBlocks | kvoffload.OffloadError) -> Response:
+    """The answer to a request that kvoffload or the block pool could not serve.
+
+    Overload is 503 with Retry-After: no free cache block, or no host slot (``CapacityError``: every
+    slot is taken by running transfers, which end soon). A closed offloader, or a transfer that
+    ``close()`` cancelled, is 503 without it: the server is shutting down. Anything else, a failed
+    copy or IO (``TransferError``) say, is 500 with the reason; the offloader keeps serving.
+    """
+    if isinstance(e, (OutOfCacheBlocks, kvoffload.CapacityError)):
+        return JSONResponse({"error": f"overloaded: {e}"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, (kvoffload.ClosedError, kvoffload.TransferCancelled)):
+        return JSONResponse({"error": f"shutting down: {e}"}, status_code=503)
+    return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
 
 
 async def stats(request: Request) -> Response:

@@ -7,8 +7,8 @@ among good ones, for store and load (and no out-of-range id ever reaches a copy)
 unhashable keys (a custom Mapping whose keys are lists), also after good keys, for store, load, lookup
 and discard; duplicate destinations; missing keys; huge mappings. Caches: malformed mappings, views
 with odd strides (accepted views must round-trip every byte, the others must be refused at
-construction), tensors on mixed or unsupported devices (``meta`` stands in for a second device), and
-malformed options (exact exception types for a fixed list, property-based for the rest).
+construction; the view a ``num_blocks`` mismatch suggests is one that is accepted), tensors on mixed
+or unsupported devices (``meta`` stands in for a second device), and malformed options (exact exception types for a fixed list, property-based for the rest).
 """
 
 from __future__ import annotations
@@ -350,6 +350,49 @@ def test_a_cache_view_is_refused_at_construction_or_round_trips_exactly(shape, b
         assert same_bytes(t, orig[n_].flip(0)), f"{how} view of {tuple(base.shape)}: wrong bytes in {n_}"
     if how == "rows-slice":  # blocks outside the window were never touched
         assert same_bytes(base[0], before_base[0]) and same_bytes(base[-1], before_base[-1])
+
+
+SUGGESTED_VIEW = re.compile(r"pass t\.(transpose|movedim)\((\d+), (\d+)\)")
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(other=st.lists(st.integers(1, 5), min_size=1, max_size=3), at=st.integers(1, 3), contiguous_blocks_first=st.booleans())
+def test_a_suggested_view_for_blocks_along_another_dim_is_accepted(other, at, contiguous_blocks_first):
+    nb = 7
+    shape = list(other)
+    shape.insert(min(at, len(shape)), nb)  # the blocks along a dim other than 0
+    t = torch.zeros(shape, dtype=torch.float16)
+    if contiguous_blocks_first:  # a view whose memory has the blocks outermost
+        d = shape.index(nb, 1)
+        t = torch.zeros([nb] + shape[:d] + shape[d + 1 :], dtype=torch.float16).movedim(0, d)
+    with pytest.raises(ValueError, match=f"num_blocks={nb}") as ei:
+        kvoffload.Offloader({"kv": t}, num_blocks=nb)
+    message = str(ei.value)
+    candidates = [getattr(t, how)(*args) for d in range(1, t.dim()) if t.shape[d] == nb
+                  for how, args in (("transpose", (0, d)), ("movedim", (d, 0)))]
+    usable = []
+    for view in candidates:
+        try:
+            kvoffload.Offloader({"kv": view}, num_blocks=nb)
+            usable.append(view)
+        except ValueError:
+            pass
+    suggested = SUGGESTED_VIEW.search(message)
+    if not usable:
+        assert suggested is None and "copy" in message, message
+        return
+    assert suggested, message
+    how, a, b = suggested.groups()
+    view = getattr(t, how)(int(a), int(b))
+    off = kvoffload.Offloader({"kv": view}, num_blocks=nb)  # the suggestion is accepted ...
+    assert off.layout.num_blocks == nb and off.layout.block_bytes * nb == t.numel() * t.element_size()  # ... whole
+
+
+def test_no_view_is_suggested_that_would_be_refused():
+    t = torch.zeros(2, 16, 100)  # blocks along the last dim: every view with them first has strided rows
+    with pytest.raises(ValueError, match="num_blocks=100") as ei:
+        kvoffload.Offloader({"kv": t}, num_blocks=100)
+    assert not SUGGESTED_VIEW.search(str(ei.value)) and "copy" in str(ei.value), str(ei.value)
 
 
 @pytest.mark.parametrize("make", [

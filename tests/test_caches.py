@@ -4,7 +4,9 @@ Tensors torch cannot view as bytes (quantized, conjugate or negative views, spar
 refused when the Offloader is constructed, with TypeError or ValueError naming the problem --
 before anything reads their memory (a quantized cache used to crash the process at start()).
 Everything torch can view as bytes is taken and round-trips byte for byte: every such dtype, 1-D
-caches, tensors requiring grad, inference tensors, views at a storage offset.
+caches, tensors requiring grad, inference tensors, views at a storage offset. Caches that share
+bytes are refused with a ValueError naming both (exactly: checked against the byte sets of random
+strided views); views of one buffer that touch different bytes round-trip and leave the rest alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvoffload
 
@@ -180,3 +184,103 @@ def test_quantized_caches_are_refused_at_construction(qdtype):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stdout} {proc.stderr[-2000:]}"
     assert "refused:" in proc.stdout and "quantized" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+# -- caches that share memory ------------------------------------------------------------------------
+
+
+def _aliasing():
+    """Caches two of which share bytes: a load into one would write the other."""
+    buf = random_bits((N + 1, 16), torch.float32)
+    raw_bytes = random_bits((128 * N,), torch.uint8)
+    return {
+        "shifted-window": lambda: {"a": buf[0:N], "b": buf[1 : N + 1]},
+        "same-tensor-twice": lambda: {"a": buf[:N], "b": buf[:N]},
+        "one-byte": lambda: {"a": raw_bytes[: 16 * N].view(N, 16), "b": raw_bytes[16 * N - 1 : 32 * N - 1].view(N, 16)},
+        "other-stride": lambda: {"a": raw_bytes[: 64 * N].view(N, 64)[:, :16], "b": raw_bytes.view(N, 128)[:, 8:24]},
+        "half-of-a-kv-view": lambda: {"kv": buf[:N].view(N, 2, 8), "v": buf[:N, 8:]},
+        "one-block": lambda: {"a": buf[:1], "b": buf[:2].view(1, 32)},
+        "third-of-three": lambda: {"x": random_bits((N, 4), torch.int32), "a": buf[:N], "b": buf.view(-1)[4 : 4 + 16 * N].view(N, 16)},
+    }
+
+
+ALIASING = _aliasing()
+
+
+@pytest.mark.parametrize("case", list(ALIASING))
+def test_caches_that_share_bytes_are_refused_naming_both(case):
+    caches = ALIASING[case]()
+    with pytest.raises(ValueError, match="share bytes") as ei:
+        kvoffload.Offloader(caches, host_blocks=4)
+    named = [n for n in caches if f"'{n}'" in str(ei.value)]
+    assert len(named) == 2 and "x" not in named, str(ei.value)
+
+
+def _disjoint_views():
+    """Views of one buffer that touch disjoint bytes: ``(buffer, views of it)``."""
+    return {
+        "kv-halves": (lambda: random_bits((2, N, 4, 8), torch.float16), lambda b: {"k": b[0], "v": b[1]}),
+        "adjacent-windows": (lambda: random_bits((2 * N, 4, 8), torch.float16), lambda b: {"a": b[:N], "b": b[N:]}),
+        "interleaved-layers": (lambda: random_bits((N, 3, 16), torch.bfloat16), lambda b: {f"l{i}": b[:, i] for i in range(3)}),
+        "kv-transposed-per-layer": (  # (2, N, layers, ...): each layer a K piece and a V piece per block
+            lambda: random_bits((2, N, 3, 16), torch.float32),
+            lambda b: {f"l{i}": b[:, :, i].transpose(0, 1) for i in range(3)},
+        ),
+        "kv-transposed-and-a-window": (
+            lambda: random_bits((3, N, 16), torch.int16),
+            lambda b: {"kv": b[:2].transpose(0, 1), "rest": b[2]},
+        ),
+        "other-strides-in-the-gaps": (  # bytes [64k, 64k+16) and [128j+32, 128j+48)
+            lambda: random_bits((128 * N,), torch.uint8),
+            lambda b: {"a": b[: 64 * N].view(N, 64)[:, :16], "b": b.view(N, 128)[:, 32:48]},
+        ),
+    }
+
+
+DISJOINT = _disjoint_views()
+
+
+@pytest.mark.parametrize("case", list(DISJOINT))
+def test_views_of_one_buffer_touching_disjoint_bytes_round_trip_and_leave_the_rest_alone(make_offloader, case):
+    make_buffer, views_of = DISJOINT[case]
+    buf = make_buffer()
+    expected = buf.clone()  # every view's blocks 0..3 copied into its blocks 4..7, nothing else touched
+    for v in views_of(expected).values():
+        v[4:] = v[:4].clone()
+    caches = views_of(buf)
+    off = make_offloader(caches, host_blocks=8)
+    off.store({("k", i): i for i in range(4)}).result(10)
+    off.load({("k", i): 4 + i for i in range(4)}).result(10)
+    assert torch.equal(buf.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8))
+
+
+strided_view = st.tuples(
+    st.integers(1, 3),  # rows per block
+    st.integers(1, 8),  # bytes per row
+    st.integers(0, 8),  # gap after each row
+    st.integers(0, 40),  # bytes from one block to the next, beyond its rows
+    st.integers(0, 48),  # storage offset
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(n=st.integers(1, 6), views=st.lists(strided_view, min_size=2, max_size=3))
+def test_strided_views_of_one_buffer_are_refused_exactly_when_they_share_bytes(n, views):
+    made = []  # (shape, strides, storage offset) of each view, in bytes
+    for rows, cols, row_gap, block_gap, offset in views:
+        block_extent = (rows - 1) * (cols + row_gap) + cols
+        made.append(((n, rows, cols), (block_extent + block_gap, cols + row_gap, 1), offset))
+    size = max(offset + (n - 1) * strides[0] + (rows - 1) * strides[1] + cols for (_, rows, cols), strides, offset in made)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    addresses = torch.arange(size)
+    caches = {f"v{i}": buf.as_strided(shape, strides, offset) for i, (shape, strides, offset) in enumerate(made)}
+    bytes_of = {name: set(addresses.as_strided(shape, strides, offset).reshape(-1).tolist())
+                for name, (shape, strides, offset) in zip(caches, made)}
+    shared = [(a, b) for a in caches for b in caches if a < b and bytes_of[a] & bytes_of[b]]
+    try:
+        kvoffload.Offloader(caches, host_blocks=4)
+    except ValueError as e:
+        assert shared, f"refused views that share no bytes: {e}"
+        assert "share bytes" in str(e) and any(f"'{a}'" in str(e) and f"'{b}'" in str(e) for a, b in shared), e
+    else:
+        assert not shared, f"accepted {shared[0]} sharing bytes"

@@ -9,7 +9,8 @@ A tensor's bytes of one block form one or more *pieces*: one when ``t[b]`` is
 contiguous (blocks may sit any stride apart: a view into a larger buffer), several
 when it is not but splits along dim 1 into contiguous parts (``t.transpose(0, 1)``
 of a ``(2, num_blocks, ...)`` tensor: a K piece and a V piece per block). The last
-dimension must be contiguous, and no two blocks may share bytes.
+dimension must be contiguous, and no two blocks may share bytes, neither within a tensor nor
+across tensors (views of one buffer are fine when they touch different bytes).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class BlockLayout:
         torch cannot view as bytes (quantized, sparse, nested, some dtypes);
         ``ValueError`` for an empty mapping, zero blocks, differing block counts,
         tensors on different devices, conjugate or negative views, tensors whose last
-        dimension is not contiguous or whose blocks overlap.
+        dimension is not contiguous, and blocks that share bytes (within a tensor, or two
+        tensors viewing the same memory: the message names both).
         """
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -78,6 +80,7 @@ class BlockLayout:
         if not kv_caches:
             raise ValueError("kv_caches is empty")
         pieces: list[TensorPiece] = []
+        placed: list[tuple[str, _Piece]] = []  # where each piece sits in memory, for the shared-bytes check
         offset = 0
         expected = num_blocks
         device = None
@@ -92,8 +95,7 @@ class BlockLayout:
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"kv_caches[{name!r}] is on {t.device}; only cpu and cuda are supported")
             if expected is not None and t.shape[0] != expected:
-                where = [d for d in range(1, t.dim()) if t.shape[d] == expected]
-                hint = f"; its blocks look like dim {where[0]}: pass t.transpose(0, {where[0]}) (no copy)" if where else ""
+                hint = _blocks_first_hint(name, t, expected)
                 raise ValueError(f"kv_caches[{name!r}] has {t.shape[0]} along dim 0, not num_blocks={expected}{hint}")
             if expected is None:
                 expected = t.shape[0]
@@ -112,9 +114,11 @@ class BlockLayout:
                 raise TypeError(f"kv_caches[{name!r}] ({t.dtype}) cannot be viewed as bytes: {e}") from None
             for piece in _pieces_of(name, t):
                 pieces.append(TensorPiece(name, offset, piece.nbytes, piece.stride, piece.index))
+                placed.append((name, piece))
                 offset += piece.nbytes
         num_blocks = expected
         assert num_blocks is not None and device is not None
+        _check_no_shared_bytes(placed, num_blocks, kv_caches)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return cls(tuple(pieces), int(num_blocks), offset, round_up(offset, SLOT_ALIGN), device)
@@ -175,26 +179,129 @@ def _pieces_of(name: str, t: torch.Tensor) -> list[_Piece]:
             f"kv_caches[{name!r}] (strides {t.stride()}) splits into more than {MAX_PIECES_PER_TENSOR} pieces per block: "
             "make the block dimension the outer one of a contiguous tensor"
         )
-    n = t.shape[0]
-    if n > 1 and any(p.stride < p.nbytes for p in out):
+    if t.shape[0] > 1 and any(p.stride < p.nbytes for p in out):
         raise ValueError(f"kv_caches[{name!r}]: blocks overlap or run backwards (strides {t.stride()})")
-    for i, p in enumerate(out):
-        for q in out[i + 1 :]:
-            if not _disjoint(p, q, n):
-                raise ValueError(f"kv_caches[{name!r}]: two blocks share bytes (strides {t.stride()})")
     return out
 
 
-def _disjoint(p: _Piece, q: _Piece, n: int) -> bool:
-    """True when no block's piece ``p`` shares a byte with any block's piece ``q``."""
-    p_end = p.start + (n - 1) * p.stride + p.nbytes
-    q_end = q.start + (n - 1) * q.stride + q.nbytes
-    if p_end <= q.start or q_end <= p.start:  # separate regions (K and V halves of one buffer, say)
-        return True
-    if p.stride != q.stride or p.stride == 0:
+def _blocks_first_hint(name: str, t: torch.Tensor, num_blocks: int) -> str:
+    """For a tensor whose dim 0 is not ``num_blocks``: a view with the blocks first that would be
+    accepted, or, when no such view is, the copy it takes; ``""`` when no dim has ``num_blocks``."""
+    dims = [d for d in range(1, t.dim()) if t.shape[d] == num_blocks]
+    for d in dims:
+        for how in ("transpose", "movedim") if d > 1 else ("transpose",):  # movedim(1, 0) is transpose(0, 1)
+            args = (0, d) if how == "transpose" else (d, 0)
+            view = getattr(t, how)(*args)
+            try:
+                _check_no_shared_bytes([(name, p) for p in _pieces_of(name, view)], num_blocks, {name: view})
+            except ValueError:
+                continue
+            return f"; its blocks look like dim {d}: pass t.{how}({args[0]}, {args[1]}) (no copy)"
+    if not dims:
+        return ""
+    d = dims[0]
+    return (
+        f"; its blocks look like dim {d}, but no view of it with them along dim 0 can be used without a copy: "
+        f"the cache needs its blocks outermost in memory, a copy such as t.movedim({d}, 0).contiguous() that the "
+        "engine then uses as its cache"
+    )
+
+
+_ONE_ROW = 1 << 62
+"""The stride given to every piece of a one-block cache: each piece is then one byte interval."""
+
+
+def _check_no_shared_bytes(placed: Sequence[tuple[str, _Piece]], num_blocks: int, caches: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (``ValueError``) pieces of ``caches`` that share a byte, in one tensor or across two.
+
+    Exact: views of one buffer that touch different bytes (K and V halves, interleaved layers,
+    other strides in each other's gaps) pass. Pieces are grouped by overlapping extent (separate
+    allocations are never compared), then compared per stride as rectangles, and across strides
+    block by block.
+    """
+    n = num_blocks
+    pieces = [p for _, p in placed]
+    stride = [p.stride if n > 1 else _ONE_ROW for p in pieces]
+    for group in _overlapping_extents(pieces, stride, n):
+        if len(group) > 1 and (pair := _shared_in_group(group, pieces, stride, n)):
+            a, b = (placed[i][0] for i in pair)
+            if a == b:
+                raise ValueError(f"kv_caches[{a!r}]: two blocks share bytes (strides {caches[a].stride()})")
+            raise ValueError(
+                f"kv_caches[{a!r}] and kv_caches[{b!r}] share bytes: a load into one would overwrite the other; "
+                "pass tensors over separate memory (views of one buffer are fine when they touch different bytes)"
+            )
+
+
+def _overlapping_extents(pieces: list[_Piece], stride: list[int], n: int) -> list[list[int]]:
+    """The pieces' indices in groups such that the extents (first to last byte) of pieces in
+    different groups do not overlap: only pieces of one group can share bytes."""
+    spans = sorted((p.start, p.start + (n - 1) * stride[i] + p.nbytes, i) for i, p in enumerate(pieces))
+    groups: list[list[int]] = []
+    end = 0
+    for lo, hi, i in spans:
+        if groups and lo < end:
+            groups[-1].append(i)
+            end = max(end, hi)
+        else:
+            groups.append([i])
+            end = hi
+    return groups
+
+
+def _shared_in_group(group: list[int], pieces: list[_Piece], stride: list[int], n: int) -> tuple[int, int] | None:
+    """Two pieces of ``group`` that share a byte, or ``None``."""
+    by_stride: dict[int, list[int]] = {}
+    for i in group:
+        by_stride.setdefault(stride[i], []).append(i)
+    for s, members in by_stride.items():
+        if len(members) > 1 and (pair := _shared_at_one_stride(members, pieces, s, n)):
+            return pair
+    strides = list(by_stride)
+    for x, s in enumerate(strides):
+        for t in strides[x + 1 :]:
+            for i in by_stride[s]:
+                for j in by_stride[t]:
+                    if _progressions_meet(pieces[i], pieces[j], n):
+                        return i, j
+    return None
+
+
+def _shared_at_one_stride(members: list[int], pieces: list[_Piece], s: int, n: int) -> tuple[int, int] | None:
+    """Two pieces, all ``s`` bytes from block to block, that share a byte, or ``None``.
+
+    Byte ``x`` is cell ``(x // s, x % s)`` of a grid ``s`` wide: a piece covers the rectangle of rows
+    ``start // s`` .. ``+ n`` and columns ``start % s`` .. ``+ nbytes``, and a second one, a row down,
+    for the columns that wrap past ``s``. Pieces share bytes exactly when their rectangles meet.
+    """
+    rects = []
+    for i in members:
+        row, col = divmod(pieces[i].start, s)
+        end = col + pieces[i].nbytes
+        rects.append((col, min(end, s), row, row + n, i))
+        if end > s:
+            rects.append((0, end - s, row + 1, row + n + 1, i))
+    rects.sort()
+    active: list[tuple[int, int, int, int, int]] = []  # rectangles whose columns reach the current one's
+    for rect in rects:
+        col, _, row, row_end, i = rect
+        active = [a for a in active if a[1] > col]
+        for a in active:
+            if a[4] != i and a[2] < row_end and row < a[3]:
+                return a[4], i
+        active.append(rect)
+    return None
+
+
+def _progressions_meet(p: _Piece, q: _Piece, n: int) -> bool:
+    """True when some block's ``p`` shares a byte with some block's ``q`` (any strides >= their sizes)."""
+    if p.start + (n - 1) * p.stride + p.nbytes <= q.start or q.start + (n - 1) * q.stride + q.nbytes <= p.start:
         return False
-    d = (q.start - p.start) % p.stride  # interleaved with one stride: q must sit in p's gap
-    return p.nbytes <= d <= p.stride - q.nbytes
+    blocks = np.arange(n, dtype=np.int64)
+    p_starts = p.start + blocks * p.stride
+    q_starts = q.start + blocks * q.stride
+    last_before_end = np.searchsorted(q_starts, p_starts + p.nbytes, side="left") - 1  # q's blocks are sorted and disjoint
+    return bool(((last_before_end >= 0) & (q_starts[np.maximum(last_before_end, 0)] + q.nbytes > p_starts)).any())
 
 
 def _check_plain_memory(name: str, t: torch.Tensor) -> None:
