@@ -441,3 +441,87 @@ class StandInCopier:
 
     def close(self) -> None:
         pass
+
+
+class StandInDriver:
+    """Stands in for the CUDA driver under the real ``DriverEvent`` (the ``enqueue_calls()`` function
+    table it calls): each event completes when the test says, successfully or with a CUDA error
+    (``ILLEGAL_ADDRESS``: error 700, an asynchronous fault). Install it with the ``standin_driver`` fixture."""
+
+    NOT_READY = 600
+    ILLEGAL_ADDRESS = 700
+    blocking_sync = 0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._outcome: dict[int, int | None] = {}  # handle -> None while running, then the code it completed with
+        self._alarms: dict[int, list] = {}
+        self.handles: list[int] = []
+        """Every event made, in order."""
+        self.synchronizing = threading.Event()
+        """Set once a thread sleeps in ``cuEventSynchronize``."""
+        self.alarmed = threading.Event()
+        """Set once an alarm is to ring at an event's completion."""
+
+    # -- the function table (returns CUDA error codes, as the driver's entry points do)
+
+    def event_create(self, out_address: int, flags: int) -> int:
+        import ctypes
+
+        with self._cond:
+            handle = len(self.handles) + 1
+            self.handles.append(handle)
+            self._outcome[handle] = None
+        ctypes.c_void_p.from_address(out_address).value = handle
+        return 0
+
+    def event_record(self, handle: int, stream: int) -> int:
+        return 0
+
+    def event_destroy(self, handle: int) -> int:
+        return 0
+
+    def ensure_context(self, device_index: int) -> None:
+        pass
+
+    def event_query(self, handle: int) -> int:
+        with self._cond:
+            outcome = self._outcome[handle]
+        return self.NOT_READY if outcome is None else outcome
+
+    def event_synchronize(self, handle: int) -> int:
+        self.synchronizing.set()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._outcome[handle] is not None, HANG_S):
+                return 999  # never completed: the waiter fails instead of hanging the test
+            return self._outcome[handle]
+
+    # -- the test's side
+
+    def complete(self, event, error: int = 0) -> None:
+        """Complete ``event`` (a ``DriverEvent``): successfully, or with CUDA error ``error``."""
+        with self._cond:
+            self._outcome[event.handle] = error
+            self._cond.notify_all()
+            alarms = self._alarms.pop(event.handle, [])
+        for alarm in alarms:
+            alarm.ring()
+
+    def ring_when_complete(self, event, alarm) -> None:
+        """What the CUDA copier's ``ring_when_complete`` asks of the driver: ring ``alarm`` once ``event`` completes."""
+        with self._cond:
+            if self._outcome[event.handle] is None:
+                self._alarms.setdefault(event.handle, []).append(alarm)
+                self.alarmed.set()
+                return
+        alarm.ring()
+
+
+@pytest.fixture
+def standin_driver(monkeypatch) -> StandInDriver:
+    """A :class:`StandInDriver` behind every ``DriverEvent`` made during the test."""
+    from kvoffload._core.cuda import driver as cuda_driver
+
+    standin = StandInDriver()
+    monkeypatch.setattr(cuda_driver, "enqueue_calls", lambda: standin)
+    return standin

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import StandInCopier, StandInEvent, StandInFlag
+from conftest import HANG_S, StandInCopier, StandInEvent, StandInFlag, spin_until
 
 
 class _PublishingSteps:
@@ -67,14 +67,21 @@ class _Rig:
     def let_go(self) -> None:
         self._release.set()
 
-    def start(self, chunks: int = 3):
+    @staticmethod
+    def requests(chunks: int) -> list:
+        """Copies of ``chunks`` chunks of 4 blocks into the cache."""
         import torch
 
-        from kvoffload._core.copy_worker import CopyRequest, QuickJob
-        from kvoffload._core.transfer import Transfer
+        from kvoffload._core.copy_worker import CopyRequest
 
         host = torch.zeros((4 * chunks, 16), dtype=torch.uint8)
-        requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
+        return [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
+
+    def start(self, chunks: int = 3):
+        from kvoffload._core.copy_worker import QuickJob
+        from kvoffload._core.transfer import Transfer
+
+        requests = self.requests(chunks)
         steps = _PublishingSteps()
         transfer = Transfer("store")
         first = len(self.copier.events)
@@ -299,3 +306,126 @@ def test_a_hurry_wakes_a_poller_waiting_for_its_next_tick():
         bridge.close()
 
     asyncio.run(run())
+
+
+# -- a hand-over interrupted by an asynchronous exception (a signal handler's KeyboardInterrupt) --
+
+
+class _InterruptedAfter(list):
+    """Copy requests whose submission an interrupt stops once ``n`` are submitted: raised between two
+    copier calls, as a signal handler raises it (one raised inside a copier's call fails the
+    transfer instead, as anything a copy raises does)."""
+
+    def __init__(self, requests: list, n: int) -> None:
+        super().__init__(requests)
+        self.n = n
+
+    def __iter__(self):
+        for i, r in enumerate(list.__iter__(self)):
+            if i == self.n:
+                raise KeyboardInterrupt
+            yield r
+
+
+def _land_once_settled(copier: StandInCopier, submitted: int) -> threading.Thread:
+    """A thread that completes every copy once somebody sleeps on the last of ``submitted`` copies (or
+    gives up after a while: then the test fails on what it finds, instead of hanging)."""
+
+    def land() -> None:
+        spin_until(lambda: len(copier.events) >= submitted, what="the copies submitted")
+        copier.events[submitted - 1].waited.wait(2.0)
+        for e in copier.events:
+            e.complete()
+
+    lander = threading.Thread(target=land)
+    lander.start()
+    return lander
+
+
+@pytest.mark.parametrize("where", ["between two copies", "ordering after the caller"])
+def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_and_the_flag_is_back(rig, where):
+    """What the caller may then free (slots, pins) no copy still writes or reads."""
+    if where == "between two copies":
+        requests, submitted, after = _InterruptedAfter(rig.requests(3), 2), 2, None
+    else:
+        def interrupted(event: object) -> None:
+            raise KeyboardInterrupt
+
+        rig.copier.wait_for = interrupted
+        requests, submitted, after = rig.requests(3), 0, object()
+    lander = _land_once_settled(rig.copier, submitted) if submitted else None
+    with pytest.raises(KeyboardInterrupt):
+        rig.worker.enqueue(requests, after)
+    complete_when_raised = [e.query() for e in rig.copier.events]
+    flag_back_when_raised = rig.copier.flag.released.is_set()
+    if lander is not None:
+        lander.join()
+    assert complete_when_raised == [True] * submitted, "the interrupt propagated with copies still running"
+    assert flag_back_when_raised, "the interrupt propagated with the load's cancel flag still taken"
+
+
+@pytest.mark.parametrize("worker_took_it", [False, True], ids=["before-the-worker-took-it", "after"])
+@pytest.mark.parametrize("path", ["quick", "task"])
+def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, monkeypatch, path, worker_took_it):
+    """An interrupt in ``start_quick``/``start_task`` after the job was posted: the transfer either comes
+    back (its copies completed, its flag back) and ``abandon`` ends it, or stays with the worker, which
+    ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
+    from kvoffload._core.copy_worker import QuickJob
+    from kvoffload._core.transfer import Transfer
+
+    steps = _PublishingSteps()
+    transfer = Transfer("load")
+    job = QuickJob(transfer, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None)) if path == "quick" else None
+
+    def taken() -> bool:
+        """The worker has the job (it arrived), or made the task (which installs a canceller)."""
+        return job in rig.worker._live if job is not None else transfer._canceller is not None
+
+    real_box = rig.loop.mailbox
+
+    class InterruptedPost:
+        """Posts for real, then raises KeyboardInterrupt, once."""
+
+        interrupted = False
+
+        def post(self, fn, *args) -> None:
+            real_box.post(fn, *args)
+            if not InterruptedPost.interrupted:
+                InterruptedPost.interrupted = True
+                if worker_took_it:
+                    spin_until(taken, what="the worker took the job")
+                raise KeyboardInterrupt
+
+    async def run_forever():
+        await asyncio.Event().wait()
+
+    lander = _land_once_settled(rig.copier, 2) if path == "quick" and not worker_took_it else None
+    if not worker_took_it:
+        rig.hold()  # the worker cannot take the job before the interrupt
+    monkeypatch.setattr(rig.loop, "mailbox", InterruptedPost())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if job is not None:
+                rig.worker.start_quick(job)
+            else:
+                rig.worker.start_task(transfer, run_forever, steps.cleanup, steps.ended)
+    finally:
+        monkeypatch.setattr(rig.loop, "mailbox", real_box)
+    if path == "quick" and not worker_took_it:
+        assert all(e.query() for e in rig.copier.events), "the interrupt propagated with copies still running"
+        assert rig.copier.flag.released.is_set()
+    rig.worker.abandon(transfer, steps, steps.ended)
+    if lander is not None:
+        lander.join()
+    for e in rig.copier.events:
+        e.complete()
+    with pytest.raises(kvoffload.TransferCancelled):
+        transfer.result(HANG_S)
+    rig.let_go()
+    rig.hold()  # the worker has taken what was posted
+    if job is not None:
+        spin_until(lambda: job.ended, what="the job ended")
+    else:
+        spin_until(lambda: not rig.loop._tasks, what="the worker's task for the transfer ended")
+    rig.hold()  # and whatever the worker does at a job's or task's end is over
+    assert steps.ends == [(None, True)] and steps.cleanups == 1 and steps.landings == []

@@ -580,3 +580,25 @@ def test_pinned_memory_is_released_on_close(tmp_path):
             assert int(driver().cuMemHostGetFlags(a)[0]) == 0  # page-locked while open
     for a in addresses:
         assert int(driver().cuMemHostGetFlags(a)[0]) != 0, "host memory still page-locked after close()"
+
+
+def test_a_driver_event_reports_completion_and_a_cuda_error_by_the_drivers_name():
+    """The real DriverEvent on a healthy device: ``query()`` is False while the work recorded before it
+    runs and True once it is done, ``synchronize()`` returns without raising; a CUDA error code is raised
+    as :class:`CudaError` named by the driver. (A real device fault cannot be provoked safely: it poisons
+    the process's context for every later test. ``tests/test_device_errors.py`` drives the failure paths
+    over a stand-in driver.)"""
+    from kvoffload._core.cuda.driver import CudaError, DriverEvent, check, enqueue_calls
+
+    device = torch.cuda.current_device()
+    enqueue_calls().ensure_context(device)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    event = DriverEvent(device).record(stream.cuda_stream)
+    assert event.query() is False, "the event completed before the work recorded before it"
+    event.synchronize()
+    assert event.query() is True
+    with pytest.raises(CudaError) as ei:
+        check("cuEventQuery", 700)
+    assert ei.value.code == 700 and "CUDA_ERROR_ILLEGAL_ADDRESS" in str(ei.value), str(ei.value)

@@ -20,7 +20,12 @@ worker one of two ways:
   through :meth:`copy` (coalesced the same way) and :meth:`pipeline`.
 
 Either way, what a transfer's foreign calls raise is turned into
-:class:`TransferError` at one place (:func:`as_transfer_error`).
+:class:`TransferError` at one place (:func:`as_transfer_error`). So is a copy that fails on
+the device (an asynchronous CUDA error, which its completion event reports): every path that
+learns that a copy completed (the bridge, a waiting thread, the cancel path, a task) asks
+through :func:`~.cuda.events.completed` / :func:`~.cuda.events.wait_completed`, which raise
+instead. What had not landed then is never reported (a store publishes only the chunks that
+landed before), and the transfer is cleaned up at once: a failed event is settled.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 
 from .block_copy import BlockCopier
 from .cross_thread import Alarm, give_back_alarm, take_alarm
+from .cuda.events import completed, wait_completed
 from .errors import OffloadError, TransferError
 from .foreign import ForeignCallError, call_foreign
 from .transfer import Transfer, TransferResult
@@ -98,14 +104,21 @@ class Enqueued:
     """A GPU load's :class:`~.cuda.cancel_flags.CancelFlag`: raised on cancel, its kernels skip the rest."""
 
     def settle(self) -> None:
-        """Block until every submitted copy has completed (a cleanup path: never raises)."""
+        """Block until every submitted copy has completed or failed: nothing more is written (a
+        cleanup path: never raises for a failed copy, whose event counts as settled)."""
         for event in reversed(self.events):  # in stream order: the last one covers all
             if event is not None:
                 try:
-                    event.synchronize()
-                except Exception:  # a failed device: nothing more will be written
+                    wait_completed(event)
+                except ForeignCallError:  # a failed device: nothing more will be written
                     pass
                 return
+
+    def release(self) -> None:
+        """:meth:`settle`, then give the cancel flag back (no kernel reads it any more). Idempotent."""
+        self.settle()
+        if self.cancel_flag is not None:
+            self.cancel_flag.release()
 
 
 def as_transfer_error(kind: str, e: BaseException) -> BaseException:
@@ -209,50 +222,102 @@ class CopyWorker:
 
         For GPU caches this only enqueues work on the copier's streams, so the
         copies run with no Python step between them, whatever the calling
-        thread or the worker loop do meanwhile. Stops at the first error.
+        thread or the worker loop do meanwhile. Stops at the first error
+        (``Enqueued.error``: it fails the transfer, as anything the copier raises does).
         A load of several chunks gets a cancel flag (:meth:`_stop_early`).
+
+        On a ``BaseException`` raised around the copier's calls (a signal handler's
+        ``KeyboardInterrupt``, say): waits until the copies submitted by then have completed and
+        gives the cancel flag back, then re-raises; the caller may then free the slots.
         """
-        events: list[Any] = []
+        flag = self.copier.take_cancel_flag() if self.kind == "load" and len(requests) > 1 else None
+        enqueued = Enqueued([], None, flag)
 
         def submit() -> None:
             for r in requests:
-                events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
+                enqueued.events.append(self._submit(r.to_host, r.host, r.rows, r.block_ids))
 
-        flag = self.copier.take_cancel_flag() if self.kind == "load" and len(requests) > 1 else None
-        return Enqueued(events, self._enqueue(after, flag, submit), flag)
+        self._enqueue(enqueued, after, submit)
+        return enqueued
 
     def enqueue_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any) -> Enqueued:
-        """Like :meth:`enqueue` for a load with per-tensor completion (GPU copier only): one event per
-        tensor, in ``kv_caches`` order."""
-        events: list[Any] = []
+        """Like :meth:`enqueue` (``BaseException`` included) for a load with per-tensor completion (GPU
+        copier only): one event per tensor, in ``kv_caches`` order."""
+        enqueued = Enqueued([], None, self.copier.take_cancel_flag())
 
         def submit() -> None:
-            events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids))  # type: ignore[attr-defined]
+            enqueued.events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids))  # type: ignore[attr-defined]
 
-        flag = self.copier.take_cancel_flag()
-        return Enqueued(events, self._enqueue(after, flag, submit), flag)
+        self._enqueue(enqueued, after, submit)
+        return enqueued
 
-    def _enqueue(self, after: Any, flag: Any, submit: Callable[[], None]) -> Exception | None:
-        """Run ``submit`` under the submit lock, after ``after``, its kernels reading ``flag``; what it raised."""
-        with self._submit_lock:
-            try:
-                if after is not None:
-                    self.copier.wait_for(after)
-                with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
-                    submit()
-            except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
-                return e
-        return None
+    def _enqueue(self, enqueued: Enqueued, after: Any, submit: Callable[[], None]) -> None:
+        """Run ``submit`` under the submit lock, after ``after``, its kernels reading ``enqueued``'s cancel
+        flag; what it raised becomes ``enqueued.error``, but a ``BaseException``, which propagates once
+        what was submitted has completed and the flag is back."""
+        flag = enqueued.cancel_flag
+        try:
+            with self._submit_lock:
+                try:
+                    if after is not None:
+                        self.copier.wait_for(after)
+                    with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
+                        submit()
+                except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
+                    enqueued.error = e
+        except BaseException:
+            enqueued.release()
+            raise
 
     # -- quick transfers ------------------------------------------------------------------------
 
     def start_quick(self, job: QuickJob) -> None:
-        """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn."""
-        self.loop.mailbox.post(self._arrive, job)
-        if job.enqueued is not None:
-            job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
-            if job.enqueued.cancel_flag is not None:
-                job.transfer._set_canceller(functools.partial(self._stop_early, job))
+        """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn.
+
+        On a ``BaseException`` (a signal handler's ``KeyboardInterrupt``; ``RuntimeError``: the worker
+        has stopped): unless the worker took the job already, withdraws it (the worker will never touch
+        it), waits until its copies have completed and gives its cancel flag back; if the worker took
+        it, cancels the transfer there. Then re-raises. :meth:`abandon` ends the transfer either way.
+        """
+        try:
+            if job.enqueued is not None:
+                job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
+                if job.enqueued.cancel_flag is not None:
+                    job.transfer._set_canceller(functools.partial(self._stop_early, job))
+            self.loop.mailbox.post(self._arrive, job)  # the hand-over: last
+        except BaseException:
+            self._withdraw(job)
+            raise
+
+    def _withdraw(self, job: QuickJob) -> None:
+        """Take back ``job``, whose hand-over was interrupted: see :meth:`start_quick`."""
+        with self._job_lock:
+            taken = job.ended or job in self._live
+            if not taken:
+                job.ended = True  # _arrive drops it
+        if taken:  # the worker ends it cancelled, once its copies have landed
+            job.transfer.cancel()
+        elif job.enqueued is not None:
+            job.enqueued.release()
+
+    def abandon(self, transfer: Transfer, steps: JobSteps, on_end: EndHook) -> None:
+        """End ``transfer`` cancelled after a ``BaseException`` interrupted its hand-over to this worker
+        (before, in or after :meth:`enqueue`, :meth:`start_quick` or :meth:`start_task`). Call from the
+        interrupted thread before re-raising. Here and now: ``steps.cleanup()`` (slots and pins go
+        back: the copies submitted have completed, as those calls promise), ``on_end``, the end;
+        unless the hand-over got through to the worker, which then ends it cancelled, once its copies
+        have landed (those calls cancelled it: nobody else holds the transfer yet)."""
+        if transfer._cancel_requested or transfer.done():
+            return
+        try:
+            steps.cleanup()
+        except BaseException:
+            log.exception("%s: transfer cleanup raised", self.loop.name)
+        try:
+            on_end(transfer, None, None, True)
+        except BaseException:
+            log.exception("%s: transfer end hook raised", self.loop.name)
+        transfer._finish(cancelled=True)
 
     def _hurry(self) -> None:
         """(Any thread.) Somebody waits for a quick job: have the bridge follow its copies closely."""
@@ -278,12 +343,17 @@ class CopyWorker:
         events = enqueued.events
         last = events[-1] if events else None
         if last is not None:
-            if wait and enqueued.cancel_flag is None:
-                last.synchronize()
-                if job.ended or job.transfer._cancel_requested:
+            try:
+                if wait and enqueued.cancel_flag is None:
+                    wait_completed(last)
+                    if job.ended or job.transfer._cancel_requested:
+                        return False
+                elif not (self._sleep_until_landed(job, last) if wait else completed(last)):
                     return False
-            elif not (self._sleep_until_landed(job, last) if wait else last.query()):
-                return False
+            except ForeignCallError as e:  # its copies failed: they are settled, it ends failed here
+                if job.steps.taken is None:
+                    job.steps.taken = time.perf_counter()
+                return self._fail(job, e, here=True)
         with self._job_lock:
             if job.ended:
                 return False
@@ -301,18 +371,19 @@ class CopyWorker:
     def _sleep_until_landed(self, job: QuickJob, last: Any) -> bool:
         """Sleep on an alarm, the GIL released, until ``last`` (``job``'s last copy event) completes,
         rung by the driver, or ``job`` ends, rung by :meth:`_finish` (a cancel ends it within a
-        chunk); True if ``last`` completed. Without alarms (no POSIX semaphores): only asks."""
+        chunk); True if ``last`` completed, ForeignCallError if it failed. Without alarms (no POSIX
+        semaphores): only asks."""
         try:
             alarm = take_alarm()
         except OSError:
-            return bool(last.query())
+            return completed(last)
         job.sleepers.append(alarm)
         try:
             try:
                 self.copier.ring_when_complete(last, alarm)
             except Exception:  # a failed device: the worker ends the job, and rings
                 log.debug("%s: could not enqueue a ring for a waiting thread", self.loop.name, exc_info=True)
-            while not last.query():
+            while not completed(last):
                 if job.ended or job.transfer._cancel_requested:
                     return False
                 alarm.sleep(self.RECHECK_ASLEEP_S)
@@ -343,17 +414,27 @@ class CopyWorker:
     def _end_at_first_incomplete(self, job: QuickJob) -> None:
         assert job.enqueued is not None
         for event in job.enqueued.events:
-            if event is not None and not event.query():
-                self._when_complete(event, job, functools.partial(self._end, job, cancelled=True))
+            try:
+                if event is None or completed(event):
+                    continue
+            except ForeignCallError as e:
+                self._fail(job, e)
                 return
+            self._when_complete(event, job, functools.partial(self._end, job, cancelled=True))
+            return
 
     def _when_complete(self, event: Any, job: QuickJob, then: Callable[[], Any]) -> None:
-        """Poll ``event`` every 0.1 ms, then call ``then()``, unless ``job`` ended meanwhile. (The bridge
-        cannot watch these events: it follows events in the order they were watched, and the job's
-        last one came first.)"""
+        """Poll ``event`` every 0.1 ms, then call ``then()``, unless ``job`` ended meanwhile; should the
+        event fail, :meth:`_fail` ``job`` instead. (The bridge cannot watch these events: it follows
+        events in the order they were watched, and the job's last one came first.)"""
         if job.ended:
             return
-        if event.query():
+        try:
+            complete = completed(event)
+        except ForeignCallError as e:
+            self._fail(job, e)
+            return
+        if complete:
             then()
         else:
             self.loop.loop.call_later(1e-4, self._when_complete, event, job, then)
@@ -436,8 +517,7 @@ class CopyWorker:
             self._follow(job)
         except BaseException as e:
             assert job.enqueued is not None
-            job.enqueued.settle()
-            self._release_flag(job)
+            job.enqueued.release()
             if not job.ended:
                 self._end(job, exc=e)
 
@@ -456,10 +536,15 @@ class CopyWorker:
             else:  # nobody waits yet: a waiter hurries the bridge (Transfer._wait)
                 self.bridge.watch(events[i], eager=False).add_done_callback(functools.partial(self._land, job, i))
 
-    def _land(self, job: QuickJob, i: int, _: object) -> None:
-        """Copy ``i`` of ``job`` completed (so did those before it)."""
+    def _land(self, job: QuickJob, i: int, watched: asyncio.Future[None] | None) -> None:
+        """Copy ``i`` of ``job`` completed (so did those before it), or failed (``watched``, its bridge
+        future, holds the error)."""
         assert job.enqueued is not None
         events = job.enqueued.events
+        failure = watched.exception() if watched is not None and not watched.cancelled() else None
+        if failure is not None:
+            self._fail(job, failure)
+            return
         if i == len(events) - 1:  # no kernel reads the flag any more (even if the job ended early)
             self._release_flag(job)
         with self._job_lock:
@@ -472,10 +557,22 @@ class CopyWorker:
             else:
                 error = None
         if error is not None:
-            job.enqueued.settle()
+            job.enqueued.release()
             self._end(job, exc=error)
         elif i == len(events) - 1:
             self._copies_done(job)
+
+    def _fail(self, job: QuickJob, error: BaseException, *, here: bool = False) -> bool:
+        """A copy of ``job`` failed on the device: once nothing more is written (a failed event counts
+        as settled), end it failed, or cancelled if a cancel came first; what had not landed is never
+        reported. ``here``: as :meth:`_end`. True if it ended it."""
+        if job.ended:
+            return False
+        assert job.enqueued is not None
+        job.enqueued.release()
+        if job.transfer._cancel_requested:
+            return self._end(job, cancelled=True, here=here)
+        return self._end(job, exc=error, here=here)
 
     @staticmethod
     def _report_landings(job: QuickJob, i: int) -> None:
@@ -503,14 +600,14 @@ class CopyWorker:
 
     def _end(
         self, job: QuickJob, exc: BaseException | None = None, cancelled: bool = False, *, claimed: bool = False, here: bool = False,
-    ) -> None:
+    ) -> bool:
         """Clean up after ``job`` (its copies have completed) and finish its transfer: batched when the
         worker is in a batch, unless ``here``. Nothing if the job ended already, unless the caller
-        ``claimed`` its end (set ``job.ended`` under the job lock)."""
+        ``claimed`` its end (set ``job.ended`` under the job lock). True if it ended it."""
         if not claimed:
             with self._job_lock:
                 if job.ended:
-                    return
+                    return False
                 job.ended = True
         self._live.discard(job)
         try:
@@ -529,6 +626,7 @@ class CopyWorker:
             self._finishing.append((job, result, exc, cancelled))
         else:
             self._finish(job, result, exc, cancelled)
+        return True
 
     def _finish(self, job: QuickJob, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         try:
@@ -543,7 +641,7 @@ class CopyWorker:
         """At shutdown (on the loop): let the copies of every quick job land, then end it cancelled."""
         for job in list(self._live):
             if job.enqueued is not None:
-                job.enqueued.settle()
+                job.enqueued.release()
             if not job.ended:
                 self._end(job, cancelled=True)
         self._arrived = []
@@ -553,8 +651,15 @@ class CopyWorker:
     def start_task(
         self, transfer: Transfer, run: Callable[[], Coroutine[Any, Any, TransferResult]], cleanup: Callable[[], Any], on_end: EndHook
     ) -> None:
-        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`)."""
+        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`).
+
+        On a ``BaseException`` (a signal handler's ``KeyboardInterrupt``; ``RuntimeError``: the worker
+        has stopped): unless the worker made the task already, withdraws the transfer (no task runs
+        it, no ``cleanup`` nor ``on_end`` on the worker); if it did, cancels it there. Then re-raises.
+        :meth:`abandon` ends the transfer either way.
+        """
         kind = self.kind
+        hand_over = _HandOver(self._job_lock)
 
         async def guarded() -> TransferResult:
             try:
@@ -565,7 +670,26 @@ class CopyWorker:
                     raise
                 raise mapped from mapped.__cause__
 
-        self.loop.start_transfer(transfer, guarded, cleanup, on_end=on_end)
+        async def withdrawn() -> TransferResult:
+            raise asyncio.CancelledError
+
+        def make() -> Coroutine[Any, Any, TransferResult]:
+            return guarded() if hand_over.take() else withdrawn()
+
+        def cleanup_if_taken() -> None:
+            if hand_over.taken:
+                cleanup()
+
+        def on_end_if_taken(t: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+            if hand_over.taken:
+                on_end(t, result, exc, cancelled)
+
+        try:
+            self.loop.start_transfer(transfer, make, cleanup_if_taken, on_end=on_end_if_taken)
+        except BaseException:
+            if not hand_over.withdraw():  # the worker runs it: it ends it cancelled
+                transfer.cancel()
+            raise
 
     async def copy(self, req: CopyRequest) -> Any:
         """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
@@ -604,12 +728,14 @@ class CopyWorker:
                     r.future.set_result(event)
 
     async def wait(self, event: Any) -> None:
-        """Wait until ``event`` completed (None: already complete)."""
+        """Wait until ``event`` completed (None: already complete). Raises ForeignCallError if its
+        copies failed on the device (what it covers did not land)."""
         if event is not None:
             await self.bridge.watch(event)
 
     async def settle(self, event: Any) -> None:
-        """Wait until ``event`` completed, even if cancelled meanwhile (cleanup path)."""
+        """Wait until ``event`` completed or failed, even if cancelled meanwhile (cleanup path: never
+        raises for a failed copy, whose event counts as settled)."""
         if event is None:
             return
         fut = self.bridge.watch(event)
@@ -618,6 +744,10 @@ class CopyWorker:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
                 continue
+            except ForeignCallError:  # a failed device: nothing more will be written
+                break
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failure here is the cleanup's to ignore
 
     async def pipeline(self, chunks: Iterable[C], request: Callable[[C], CopyRequest], completed: Callable[[C], Any]) -> None:
         """Copy each chunk (``request(chunk)``) in order, up to ``depth`` in flight; ``completed(chunk)`` as each lands.
@@ -641,6 +771,30 @@ class CopyWorker:
             if inflight:
                 await self.settle(inflight[-1][0])  # in stream order: the last one covers all
             raise
+
+
+class _HandOver:
+    """Who owns a transfer whose hand-over to a worker may be interrupted: the worker, once it
+    :meth:`take` s it, or the interrupted thread, once it :meth:`withdraw` s it; decided once."""
+
+    __slots__ = ("_lock", "taken", "withdrawn")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.taken = False
+        self.withdrawn = False
+
+    def take(self) -> bool:
+        """(The worker.) True: the transfer is the worker's; False: it was withdrawn."""
+        with self._lock:
+            self.taken = not self.withdrawn
+            return self.taken
+
+    def withdraw(self) -> bool:
+        """(The interrupted thread.) True: the transfer is back; False: the worker has it."""
+        with self._lock:
+            self.withdrawn = not self.taken
+            return self.withdrawn
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,21 @@ def check(call: str, err: Any) -> None:
     code = int(err)
     if code == 0:
         return
-    cu = driver()
-    _, name = cu.cuGetErrorName(err)
-    _, text = cu.cuGetErrorString(err)
-    raise CudaError(call, code, (name or b"?").decode(), (text or b"?").decode())
+    name, text = _error_names(err)
+    raise CudaError(call, code, name, text)
+
+
+def _error_names(err: Any) -> tuple[str, str]:
+    """The driver's name and description of error ``err`` ("?" where it cannot tell: an error
+    while describing an error must not hide it)."""
+    try:
+        cu = driver()
+        code = cu.CUresult(int(err))  # the bindings take their enum; the calls made through ctypes return ints
+        _, name = cu.cuGetErrorName(code)
+        _, text = cu.cuGetErrorString(code)
+        return (name or b"?").decode(), (text or b"?").decode()
+    except Exception:
+        return "?", "?"
 
 
 def primary_context(device_index: int) -> Any:
@@ -325,25 +336,28 @@ class DriverEvent:
         self._calls.wait(stream, self.handle)
 
     def query(self) -> bool:
-        """True once the work recorded before the event has completed.
+        """True once the work recorded before the event has completed, False while it runs.
 
-        An error (a failed device) also counts as complete, so that no waiter hangs:
-        the copies are checked by their own calls.
+        Raises :class:`CudaError` if that work failed (an asynchronous error such as an illegal
+        address, which leaves the context unusable): the event is settled, nothing more is written,
+        and what it covers did not land. As ``torch.cuda.Event.query()`` does.
         """
         err = self._calls.event_query(self.handle)
         if err == CUDA_ERROR_NOT_READY:
             return False
         if err:
-            log.error("cuEventQuery failed with CUDA error %d; treating the event as complete", err)
+            check("cuEventQuery", err)
         return True
 
     def synchronize(self) -> None:
         """Block (asleep, the GIL released once: behind a thread busy in Python, each take of
-        the GIL may wait a switch interval) until the event has completed."""
+        the GIL may wait a switch interval) until the event has completed.
+
+        Raises :class:`CudaError` if the work recorded before it failed, as :meth:`query` does."""
         self._calls.ensure_context(self._device)
         err = self._calls.event_synchronize(self.handle)
         if err:
-            log.error("cuEventSynchronize failed with CUDA error %d", err)
+            check("cuEventSynchronize", err)
 
     def __del__(self) -> None:
         if self.handle:

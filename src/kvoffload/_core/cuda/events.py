@@ -18,6 +18,12 @@ Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
   that somebody waits for are landing. Nothing runs while no event is pending.
   Spinning takes the GIL thousands of times a second, which the threads running
   the model's Python pay for: hence only while somebody waits.
+
+A copy that fails on the device (its event's ``query()`` or ``synchronize()`` raises a CUDA
+error, such as an illegal address) completes its future with :class:`ForeignCallError` (the
+CUDA error as ``__cause__``) instead of a result: the event is settled, nothing more is written,
+and what it covers did not land. Every reader of copy events asks through :func:`completed` and
+:func:`wait_completed`, which say so the same way.
 """
 
 from __future__ import annotations
@@ -30,16 +36,58 @@ from collections import deque
 from typing import Any, Protocol
 
 from ..cross_thread import resolve
+from ..foreign import ForeignCallError
 
-__all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge"]
+__all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge", "completed", "wait_completed"]
+
+
+def completed(event: Any) -> bool:
+    """``event.query()``: True once the copies recorded before ``event`` have completed.
+
+    Raises :class:`ForeignCallError` (what the event raised as ``__cause__``: a CUDA error) if they
+    failed on the device: the event is settled, and what it covers did not land. Only ``Exception``
+    is taken for the copy's: a ``KeyboardInterrupt`` in a waiting thread is its own and propagates."""
+    try:
+        return bool(event.query())
+    except Exception as e:
+        raise _copy_failed(e) from e
+
+
+def wait_completed(event: Any) -> None:
+    """``event.synchronize()``: block until the copies recorded before ``event`` have completed.
+    Raises as :func:`completed` does if they failed."""
+    try:
+        event.synchronize()
+    except Exception as e:
+        raise _copy_failed(e) from e
+
+
+def _copy_failed(e: Exception) -> ForeignCallError:
+    try:
+        text = str(e)  # foreign: its __str__ may raise
+    except Exception:
+        text = ""
+    return ForeignCallError(f"a copy failed on the device: {type(e).__name__}" + (f": {text}" if text else ""))
+
+
+def _settle(fut: asyncio.Future[None], failure: ForeignCallError | None) -> None:
+    """Complete ``fut``: with ``failure`` if its copies failed, else with None; nothing if it is done
+    already (cancelled, say). Call on its loop."""
+    if fut.done():
+        return
+    if failure is not None:
+        fut.set_exception(failure)
+    else:
+        fut.set_result(None)
 
 
 class CompletionBridge(Protocol):
     """Turns an event into a future of the loop the bridge serves."""
 
     def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
-        """A future that completes when ``event`` has completed. Call on the bridge's loop. ``eager``:
-        somebody waits for it now (a polling bridge follows it closely)."""
+        """A future that completes when ``event`` has completed, with :class:`ForeignCallError` if its
+        copies failed on the device. Call on the bridge's loop. ``eager``: somebody waits for it now
+        (a polling bridge follows it closely)."""
         ...
 
     def hurry(self) -> None:
@@ -56,9 +104,9 @@ class CompletionBridge(Protocol):
         ...
 
 
-def _resolve_all(futs: list[asyncio.Future[None]]) -> None:
-    for fut in futs:
-        resolve(fut)
+def _settle_all(batch: list[tuple[asyncio.Future[None], ForeignCallError | None]]) -> None:
+    for fut, failure in batch:
+        _settle(fut, failure)
 
 
 class ThreadBridge:
@@ -89,19 +137,30 @@ class ThreadBridge:
             if item is None:
                 return
             event, fut = item
-            event.synchronize()  # sleeps in the driver; releases the GIL
-            batch = [fut]
-            while True:  # gather every completion already there: one wake-up for all
+            failure: ForeignCallError | None = None
+            try:
+                wait_completed(event)  # sleeps in the driver; releases the GIL
+            except ForeignCallError as e:
+                failure = e
+            batch = [(fut, failure)]
+            while True:  # gather every completion (or failure) already there: one wake-up for all
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is None or not nxt[0].query():
+                if nxt is None:
                     held.append(nxt)
                     break
-                batch.append(nxt[1])
+                failure = None
+                try:
+                    if not completed(nxt[0]):
+                        held.append(nxt)
+                        break
+                except ForeignCallError as e:
+                    failure = e
+                batch.append((nxt[1], failure))
             try:
-                self._loop.call_soon_threadsafe(_resolve_all, batch)
+                self._loop.call_soon_threadsafe(_settle_all, batch)
             except RuntimeError:  # loop closed during shutdown
                 return
 
@@ -151,8 +210,14 @@ class PollBridge:
     async def _poll(self) -> None:
         try:
             while self._pending:
-                while self._pending and self._pending[0][0].query():
-                    resolve(self._pending.popleft()[1])
+                while self._pending:
+                    failure: ForeignCallError | None = None
+                    try:
+                        if not completed(self._pending[0][0]):
+                            break
+                    except ForeignCallError as e:  # settled too: the next one's turn
+                        failure = e
+                    _settle(self._pending.popleft()[1], failure)
                     if self._eager:
                         self._last_progress = time.perf_counter()
                 if not self._pending:
