@@ -191,9 +191,12 @@ class Runtime:
                 f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"
             )
         for worker in self.workers:
-            if worker.bridge is not None:
-                worker.bridge.close()
-            worker.copier.close()
+            try:  # on a failed device these raise; its memory is freed with the rest all the same
+                if worker.bridge is not None:
+                    worker.bridge.close()
+                worker.copier.close()
+            except Exception:
+                log.exception("kvoffload: %s: releasing the copier failed; going on with the close", worker.loop.name)
         self.workers = []
         storage = self.storage
         if storage is not None:

@@ -192,7 +192,11 @@ class TieredStorage:
                 return
         if requests is not None and self.layout.is_cuda:
             enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after)
-            worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
+            try:
+                worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
+            except BaseException:  # interrupted before start_quick could take care of the copies
+                enqueued.release()
+                raise
         elif requests is not None and len(requests) == 1:
             worker.start_quick(QuickJob(transfer, plan, plan.ended, requests=requests))
         else:
