@@ -289,3 +289,38 @@ def test_trio_run_directly():
     assert off.closed
     for n in caches:
         assert same_bytes(caches[n][2], orig[n][1])
+
+
+def test_trio_guest_mode_on_an_asyncio_loop():
+    """Trio in guest mode runs its tasks in the thread of an asyncio loop: its tasks wait for transfers
+    (and start and close an offloader) trio's way, while the host loop's asyncio tasks keep asyncio's."""
+    trio = pytest.importorskip("trio")
+    caches, own_caches = random_caches(16, seed=44), random_caches(8, seed=45)
+    orig = snapshot(caches)
+
+    async def trio_main(off):
+        async with kvoffload.Offloader(own_caches, host_blocks=8) as own:
+            assert (await own.store({"x": 0})).keys == ("x",)
+        assert own.closed
+        await off.store({"t": 1})
+        return (await off.load({"t": 9})).keys
+
+    async def host():
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+        outcome = []
+        async with kvoffload.Offloader(caches, host_blocks=16) as off:
+            trio.lowlevel.start_guest_run(
+                trio_main, off, run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                run_sync_soon_not_threadsafe=loop.call_soon, done_callback=lambda o: (outcome.append(o), ended.set()),
+            )
+            for i in range(4):  # asyncio tasks of the host loop, while the trio run awaits transfers
+                await off.store({i: 2 + i})
+                await off.load({i: 10 + i})
+            await asyncio.wait_for(ended.wait(), 30)
+        return outcome[0].unwrap()
+
+    assert asyncio.run(host()) == ("t",)
+    for n in caches:
+        assert same_bytes(caches[n][9], orig[n][1])
+        assert same_bytes(caches[n][10:14], orig[n][2:6])

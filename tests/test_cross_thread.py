@@ -1,16 +1,19 @@
 """Calls into the worker loops' mailboxes (woken through a pipe written without releasing the GIL):
 each runs once, in the order each thread posted it; a stopped loop refuses posts and keeps no fd.
-Alarms wake a sleeping thread when rung from Python or from C, and keep a ring that came first."""
+The mailbox of any other loop keeps neither its loop nor what was posted to it alive. Alarms wake a sleeping thread when rung from Python or from C, and keep a ring that came first."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 
-from kvoffload._core.cross_thread import Alarm, give_back_alarm, take_alarm
+from kvoffload._core.cross_thread import Alarm, give_back_alarm, mailbox_of, resolve, take_alarm
 from kvoffload._core.worker_loop import WorkerLoop
 
 
@@ -58,6 +61,19 @@ def test_a_stopped_loop_refuses_posts_and_keeps_no_fd():
         with pytest.raises(RuntimeError):
             loop.mailbox.post(ran.set)
     assert _open_fds() == before
+
+
+def test_a_loop_that_closed_before_running_its_posts_is_freed_with_them():
+    loop = asyncio.new_event_loop()
+    fut = loop.create_future()
+    mailbox_of(loop).post(resolve, fut)  # a wake-up the loop never runs: it closes first
+    loop.close()
+    with pytest.raises(RuntimeError):
+        mailbox_of(loop).post(resolve, fut)
+    freed = [weakref.ref(loop), weakref.ref(fut)]
+    del loop, fut
+    gc.collect()
+    assert [ref() for ref in freed] == [None, None]
 
 
 def test_an_alarm_wakes_its_sleeper_when_rung_from_c_and_keeps_an_early_ring():

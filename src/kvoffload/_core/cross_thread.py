@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Alarm", "take_alarm", "give_back_alarm", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread", "caller_of_current_loop", "event_settable_from_any_thread"]
+__all__ = ["Alarm", "take_alarm", "give_back_alarm", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
 
 
 def _gil_keeping(name: str) -> Callable[[int, Any, int], int] | None:
@@ -158,9 +158,12 @@ class Mailbox:
             self._pipe = (r, w)
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop soon. Raises RuntimeError if the loop is closed."""
+        """Run ``fn(*args)`` on the loop soon. Raises RuntimeError if the loop is closed (and drops
+        the calls it will never run)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._loop.is_closed():
+                self._closed = True
+                self._calls = []
                 raise RuntimeError("the mailbox's loop is closed")
             self._calls.append((fn, args))
             if self._scheduled:
@@ -172,6 +175,11 @@ class Mailbox:
                 return
         try:
             self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # closed meanwhile: nothing posted here will run
+            with self._lock:
+                self._closed = True
+                self._calls = []
+            raise
         except BaseException:
             with self._lock:
                 self._scheduled = False
@@ -207,18 +215,24 @@ class Mailbox:
                 os.close(pipe[1])
 
 
-_boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+_boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[Mailbox]] = weakref.WeakKeyDictionary()
+"""Each loop's mailbox, weakly at both ends: a mailbox lives as long as someone may post to it (a
+waiter holds it) or its loop holds its drain callback; then it goes, with whatever a loop that closed
+never ran, and never keeps its loop alive (the loop of each ``asyncio.run`` that awaited a transfer)."""
 _boxes_lock = threading.Lock()
 
 
 def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    """The mailbox of ``loop`` (created on first use, dropped with the loop)."""
-    box = _boxes.get(loop)
+    """The mailbox of ``loop``: the one in use, or a new one. Hold it while you may post to it."""
+    ref = _boxes.get(loop)
+    box = ref() if ref is not None else None
     if box is None:
         with _boxes_lock:
-            box = _boxes.get(loop)
+            ref = _boxes.get(loop)
+            box = ref() if ref is not None else None
             if box is None:
-                box = _boxes[loop] = Mailbox(loop)
+                box = Mailbox(loop)
+                _boxes[loop] = weakref.ref(box)
     return box
 
 
@@ -234,35 +248,3 @@ def resolve_from_any_thread(loop: asyncio.AbstractEventLoop, fut: asyncio.Future
         loop.call_soon_threadsafe(resolve, fut)
     except RuntimeError:
         pass
-
-
-def caller_of_current_loop() -> Callable[[Callable[[], Any]], Any]:
-    """A non-blocking, thread-safe ``call(fn)`` that runs ``fn()`` on the event loop running in this
-    thread, whatever the backend anyio knows it by: the loop's mailbox on asyncio,
-    ``TrioToken.run_sync_soon`` on trio. The call raises ``RuntimeError`` once that loop is gone.
-    Raises anyio's ``NoEventLoopError`` when no event loop runs here."""
-    import anyio.lowlevel
-
-    native = anyio.lowlevel.current_token().native_token
-    if isinstance(native, asyncio.AbstractEventLoop):
-        box = mailbox_of(native)
-        return box.post
-    run_sync_soon: Callable[[Callable[[], Any]], Any] = getattr(native, "run_sync_soon")
-    return run_sync_soon
-
-
-def event_settable_from_any_thread() -> tuple[Callable[..., None], Any]:
-    """An ``anyio.Event`` of the event loop running in this thread, and a callable that sets it from
-    any thread (its arguments are ignored; nothing happens once that loop is gone)."""
-    import anyio
-
-    call_soon = caller_of_current_loop()
-    event = anyio.Event()
-
-    def set_soon(*_: object) -> None:
-        try:
-            call_soon(event.set)
-        except RuntimeError:  # the waiting loop or run has ended: nobody to wake
-            pass
-
-    return set_soon, event

@@ -1,29 +1,67 @@
-"""Short-lived threads for work that blocks: starting and closing an offloader off the caller's loop."""
+"""kvoffload's own threads: which threads are kvoffload's (:func:`mark_own_thread`), which process
+they serve (:func:`process_generation`: none of them survives a fork), and short-lived helper
+threads for work that blocks, such as starting and closing an offloader off the caller's loop."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from .cross_thread import event_settable_from_any_thread
+from .async_backends import wakeup
 
-__all__ = ["HelperThread", "on_worker_thread", "run_in_thread", "off_loop", "off_any_loop"]
+__all__ = [
+    "HelperThread", "mark_own_thread", "on_worker_thread", "process_generation", "run_in_thread", "run_off_loop",
+]
 
 T = TypeVar("T")
 
 
-class HelperThread(threading.Thread):
-    """A short-lived thread of ours that may block on a close: aclose(), __aenter__, a handed-off close."""
+# -- whose thread is this ---------------------------------------------------------------------------
+
+_own = threading.local()
+
+
+def mark_own_thread() -> None:
+    """Mark the calling thread as one of kvoffload's that must never wait for a close: call it first
+    thing on every worker loop, completion bridge and disk IO thread. (Done callbacks run on worker
+    loops; garbage collection, and so an offloader's finalizer, may run on any of them.)"""
+    _own.marked = True
 
 
 def on_worker_thread() -> bool:
-    """True on a thread of kvoffload's that must never wait for a close: a worker loop (done
-    callbacks run there), a completion bridge or a disk IO thread (garbage collection may run there)."""
-    t = threading.current_thread()
-    return t.name.startswith("kvoffload") and not isinstance(t, HelperThread)
+    """True on a thread marked with :func:`mark_own_thread`, whatever the names of other threads."""
+    return getattr(_own, "marked", False)
+
+
+class HelperThread(threading.Thread):
+    """A short-lived thread of ours that may block on a close: aclose(), __aenter__, a handed-off close
+    (never marked with :func:`mark_own_thread`)."""
+
+
+# -- which process ------------------------------------------------------------------------------------
+
+_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _generation
+    _generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def process_generation() -> int:
+    """How many forks separate this process from the one that imported kvoffload first. An object made
+    under another generation belongs to an ancestor process, whose threads did not come along."""
+    return _generation
+
+
+# -- helper threads -----------------------------------------------------------------------------------
 
 
 def run_in_thread(fn: Callable[[], T], name: str) -> tuple[concurrent.futures.Future[T], threading.Thread]:
@@ -45,37 +83,18 @@ def run_in_thread(fn: Callable[[], T], name: str) -> tuple[concurrent.futures.Fu
     return fut, thread
 
 
-async def off_loop(fn: Callable[[], T], name: str) -> tuple[asyncio.Future[T], asyncio.CancelledError | None]:
+def _nothing() -> None:
+    pass
+
+
+async def run_off_loop(fn: Callable[[], T], name: str) -> tuple[concurrent.futures.Future[T], BaseException | None]:
     """Run ``fn()`` on a thread named ``name`` and wait for it to end, even if the awaiting task is
-    cancelled meanwhile. Returns the finished future and the ``CancelledError`` held back (to be
-    raised by the caller), or None. The thread has ended when this returns."""
+    cancelled meanwhile; under asyncio, trio and anyio. Returns the finished future and the
+    cancellation held back, for the caller to raise once it has cleaned up, or None. The thread has
+    ended when this returns."""
     thread_fut, thread = run_in_thread(fn, name)
-    fut = asyncio.wrap_future(thread_fut)
-    held: asyncio.CancelledError | None = None
-    while not fut.done():
-        try:
-            await asyncio.wait([fut])  # unlike await or shield, never cancels fut
-        except asyncio.CancelledError as e:
-            held = e
+    woken = wakeup()
+    thread_fut.add_done_callback(woken.wake)
+    held = await woken.wait_through_cancel(_nothing)
     thread.join()  # the result is set just before the thread returns: wait out that instant
-    return fut, held
-
-
-async def off_any_loop(fn: Callable[[], T], name: str) -> tuple[concurrent.futures.Future[T], bool]:
-    """:func:`off_loop` for any backend anyio runs (trio): returns the finished future and whether
-    the awaiting task was cancelled meanwhile (the caller then raises its cancellation with
-    ``anyio.lowlevel.checkpoint_if_cancelled()``)."""
-    import anyio
-
-    thread_fut, thread = run_in_thread(fn, name)
-    wake, ended = event_settable_from_any_thread()
-    thread_fut.add_done_callback(wake)
-    with anyio.CancelScope(shield=True):
-        await ended.wait()
-    thread.join()
-    cancelled = False
-    try:
-        await anyio.lowlevel.checkpoint_if_cancelled()
-    except anyio.get_cancelled_exc_class():
-        cancelled = True
-    return thread_fut, cancelled
+    return thread_fut, held

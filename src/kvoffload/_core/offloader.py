@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -15,7 +14,7 @@ import torch
 
 from .deadline import Deadline, check_timeout
 from .errors import ClosedError, CloseError, StartError
-from .helper_threads import HelperThread, off_any_loop, off_loop
+from .helper_threads import HelperThread, run_off_loop
 from .layout import BlockLayout, check_block_mapping
 from .options import Options
 from .runtime import Runtime, finalize_runtime, process_generation
@@ -26,15 +25,6 @@ from .transfer import Transfer, TransferResult
 __all__ = ["Offloader", "OffloaderStats"]
 
 log = logging.getLogger("kvoffload")
-
-
-async def _raise_cancellation(close_error: BaseException | None) -> None:
-    """Raise the awaiting task's held-back cancellation (its framework's own exception)."""
-    import anyio.lowlevel
-
-    if close_error is not None:
-        log.warning("kvoffload: closing after a cancelled call failed: %s", close_error)
-    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 class Offloader:
@@ -204,22 +194,17 @@ class Offloader:
 
         Shielded: if the awaiting task is cancelled, the close still completes, then the
         task's cancellation is raised. Raises :class:`CloseError` as ``close()`` does.
+        Works under asyncio, trio and anyio.
         """
         timeout = check_timeout(timeout)
         if self._closed and self._runtime is None:
             return
-        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
-            done, cancelled = await off_any_loop(lambda: self.close(timeout), "kvoffload-close")
-            if cancelled:
-                await _raise_cancellation(done.exception())
-            done.result()
-            return
-        fut, held = await off_loop(lambda: self.close(timeout), "kvoffload-close")
-        if held is not None:
-            if fut.exception() is not None:
-                log.warning("kvoffload: aclose() was cancelled and the close failed: %s", fut.exception())
-            raise held
-        fut.result()
+        closed, cancelled = await run_off_loop(lambda: self.close(timeout), "kvoffload-close")
+        if cancelled is not None:
+            if closed.exception() is not None:
+                log.warning("kvoffload: aclose() was cancelled and the close failed: %s", closed.exception())
+            raise cancelled
+        closed.result()
 
     @property
     def closed(self) -> bool:
@@ -239,19 +224,13 @@ class Offloader:
         closes the offloader, then raises the task's cancellation: nothing stays allocated.
         Works under asyncio, trio and anyio.
         """
-        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
-            started, cancelled = await off_any_loop(self.start, "kvoffload-start")
-            if cancelled:
-                closed, _ = await off_any_loop(self.close, "kvoffload-close")
-                await _raise_cancellation(closed.exception())
-            return started.result()
-        fut, held = await off_loop(self.start, "kvoffload-start")
-        if held is not None:
-            closing, _ = await off_loop(self.close, "kvoffload-close")
-            if closing.exception() is not None:
-                log.warning("kvoffload: closing after a cancelled start failed: %s", closing.exception())
-            raise held
-        return fut.result()
+        started, cancelled = await run_off_loop(self.start, "kvoffload-start")
+        if cancelled is not None:
+            closed, _ = await run_off_loop(self.close, "kvoffload-close")
+            if closed.exception() is not None:
+                log.warning("kvoffload: closing after a cancelled start failed: %s", closed.exception())
+            raise cancelled
+        return started.result()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

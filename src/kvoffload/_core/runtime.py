@@ -19,7 +19,7 @@ import torch
 from .cuda.events import make_bridge
 from .deadline import Deadline
 from .errors import CloseError
-from .helper_threads import HelperThread, on_worker_thread
+from .helper_threads import HelperThread, on_worker_thread, process_generation
 from .copy_worker import CopyCalls, CopyWorker, CopyWorkers
 from .layout import BlockLayout
 from .worker_loop import WorkerLoop
@@ -46,13 +46,10 @@ _EXIT_TIMEOUT_S = 5.0
 _live: set[Runtime] = set()
 _live_lock = threading.Lock()
 _inherited: list[Runtime] = []
-_generation = 0
-"""Bumped in every forked child: objects made under another generation belong to an ancestor process."""
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _live_lock
-    _generation += 1
+    global _live_lock
     _live_lock = threading.Lock()  # another thread may have held it at fork time
     for rt in _live:
         rt.inherit()
@@ -76,11 +73,6 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_close_all_at_exit)
 
 
-def process_generation() -> int:
-    """How many forks separate this process from the one that imported kvoffload first."""
-    return _generation
-
-
 def _check_host_memory(nbytes: int) -> None:
     """Fail at once, not after minutes of paging or an OOM kill, when the slab cannot fit in RAM."""
     try:
@@ -100,7 +92,7 @@ class Runtime:
 
     def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options, metrics: TransferCounters) -> None:
         self.pid = os.getpid()
-        self.generation = _generation
+        self.generation = process_generation()
         self.layout = layout
         self.storage: TieredStorage | None = None
         self.final_counts: TierCounts | None = None
@@ -150,7 +142,7 @@ class Runtime:
     def close(self, timeout: float | None) -> None:
         """Release everything within ``timeout`` seconds in all (None: no limit); from any thread.
         Raises CloseError if a thread did not stop in time."""
-        if self.closed or self.inherited or self.generation != _generation:
+        if self.closed or self.inherited or self.generation != process_generation():
             return
         if on_worker_thread():
             self._close_in_background(timeout)

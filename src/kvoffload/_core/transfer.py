@@ -1,12 +1,11 @@
 """The :class:`Transfer` handle that ``store()`` and ``load()`` return.
 
 A transfer runs on one of the offloader's worker loops. The handle bridges its
-outcome to whoever waits: any asyncio loop in any thread, a trio run, or anyio on
-either (``await``); a plain thread (``result()``); or a callback. Waiting on asyncio
-goes through the loop's mailbox (at most one cross-thread wake-up per waiting loop,
-shared with every other transfer that ends before that loop runs, see
-``cross_thread.py``); anything else waits on an anyio ``Event`` set through the
-backend's own thread-safe call (``TrioToken.run_sync_soon``).
+outcome to whoever waits: any asyncio loop in any thread, a trio run (also in guest
+mode on an asyncio loop), or anyio on either (``await``); a plain thread (``result()``);
+or a callback. How a task sleeps until the transfer ends depends on the library that
+runs it: ``async_backends.py`` owns that (on asyncio, at most one cross-thread wake-up
+per waiting loop, shared with every other transfer that ends before that loop runs).
 
 A ``Transfer`` is not an ``asyncio.Future``, but it has what asyncio's combinators
 use: ``asyncio.wait`` registers done callbacks (run on the registering loop, as a
@@ -21,12 +20,15 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Generator, Literal
 
-from .cross_thread import event_settable_from_any_thread, mailbox_of, resolve
-from .errors import TransferCancelled
+from .async_backends import running_asyncio_loop, wakeup
+from .cross_thread import mailbox_of
+from .errors import ClosedError, TransferCancelled
+from .helper_threads import process_generation
 
 __all__ = ["Transfer", "TransferResult"]
 
@@ -66,20 +68,27 @@ class Transfer:
     Cancelling the task that awaits a transfer cancels the transfer (``asyncio.shield``
     opts out); the task's cancellation reaches it only once the transfer no longer writes
     to its destination. A transfer cancelled by anything else ends with
-    :class:`TransferCancelled`.
+    :class:`TransferCancelled`. In a child forked while it ran, waiting for it raises
+    :class:`ClosedError` at once: it goes on in the parent only.
+
+    ``tensor_names``: the names of the caches' tensors, the only names :meth:`tensor_done`
+    and :meth:`wait_tensor` accept.
     """
 
     __slots__ = (
-        "kind", "_lock", "_state", "_result", "_exc", "_finished", "_callbacks", "_cancel_requested", "_canceller", "_tensors",
-        "_tensor_names", "_finisher", "_hurry",
+        "kind", "_lock", "_state", "_result", "_exc", "_exc_tb", "_finished", "_callbacks", "_cancel_requested", "_canceller",
+        "_tensors", "_tensor_names", "_finisher", "_hurry", "_generation",
     )
 
-    def __init__(self, kind: Literal["store", "load"]) -> None:
+    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
         self.kind = kind
         self._lock = threading.Lock()
         self._state = _PENDING
         self._result: TransferResult | None = None
         self._exc: BaseException | None = None
+        self._exc_tb: TracebackType | None = None
+        """Where the error was raised: every raise of it starts from there again (as a future's do)."""
+        self._generation = process_generation()
         self._finished: threading.Event | None = None  # made when a thread first blocks on the transfer
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
@@ -90,7 +99,7 @@ class Transfer:
         """Tells the worker that somebody now waits for the transfer."""
         self._tensors: dict[str, _TensorCopy] | None = None
         """Loads with per-tensor completion: each tensor's copy event and waiters."""
-        self._tensor_names: tuple[str, ...] = ()
+        self._tensor_names: tuple[str, ...] = tuple(tensor_names)
 
     def __repr__(self) -> str:
         state = ("running", "done", "failed", "cancelled")[self._state]
@@ -113,8 +122,12 @@ class Transfer:
         Returns at once; the transfer ends cancelled after the copies already
         queued on a stream or an IO thread have finished, unless it completes first.
         A GPU load of several chunks ends once the chunk copying now has finished:
-        its later copy kernels skip their work.
+        its later copy kernels skip their work. Never raises: a transfer whose offloader
+        is closing ends cancelled by the close. In a forked child, nothing runs to
+        cancel: returns False.
         """
+        if self._state != _PENDING or self._in_parent_only():
+            return False
         with self._lock:
             if self._state != _PENDING:
                 return False
@@ -128,7 +141,9 @@ class Transfer:
         """Block the calling thread until the transfer ends and return its result.
 
         Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds,
-        :class:`TransferCancelled` if it was cancelled, or the transfer's error.
+        :class:`TransferCancelled` if it was cancelled, or the transfer's error (each time
+        with the traceback of where it was raised); :class:`ClosedError` in a child forked
+        while it ran.
         Do not call this on a running event loop: await the transfer instead.
         Without a timeout, a GPU transfer is waited for asleep (the GIL released) until its copies
         land, then ended in this thread: in the driver, or for a load of several chunks (which a
@@ -145,9 +160,10 @@ class Transfer:
             raise TimeoutError(f"transfer did not finish within {timeout} s")
         if self._state == _CANCELLED:
             raise self._cancelled_error()
-        return self._exc
+        return self._exc.with_traceback(self._exc_tb) if self._exc is not None else None
 
     def _block(self, timeout: float | None) -> bool:
+        self._check_process()
         if self._finish_if_landed(wait=timeout is None):
             return True
         with self._lock:
@@ -162,17 +178,21 @@ class Transfer:
     def add_done_callback(self, fn: Callable[[Transfer], Any], *, context: contextvars.Context | None = None) -> None:
         """Call ``fn(transfer)`` when the transfer ends (soon, if it has ended).
 
-        Registered on a thread running an asyncio loop, it runs on that loop, as an
+        Registered by an asyncio task or callback, it runs on that loop, as an
         ``asyncio.Future``'s callbacks do (``context`` as there), or where the transfer
-        ends if that loop has closed meanwhile. Registered on a plain thread, it runs
-        on the thread that ends the transfer (its worker, or a thread that awaits it, waits
-        in :meth:`result` or asks :meth:`done` once its copies landed), or at once if it has ended;
-        keep it short and thread-safe. Whatever it raises, ``SystemExit`` and
-        ``KeyboardInterrupt`` included, is logged and ignored. Registering counts as waiting
-        (``asyncio.wait`` and ``as_completed`` wait this way): a GPU transfer's worker then
-        follows its copies closely.
+        ends if that loop has closed meanwhile. Registered anywhere else (a plain thread, a
+        trio task), it runs on the thread that ends the transfer (its worker, or a thread that
+        awaits it, waits in :meth:`result` or asks :meth:`done` once its copies landed), or at
+        once if it has ended; keep it short and thread-safe, and never let it wait for another
+        transfer (``result()``): on the worker's thread, a wait for a transfer of the same worker
+        never ends. To wait there, register from an event loop, or hand the wait to a thread of
+        your own. Whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is
+        logged and ignored. Registering counts as waiting (``asyncio.wait`` and ``as_completed``
+        wait this way): a GPU transfer's worker then follows its copies closely.
+        :class:`ClosedError` in a child forked while the transfer ran (it never ends there).
         """
-        cb: _Callback = (fn, asyncio._get_running_loop(), context)
+        self._check_process()
+        cb: _Callback = (fn, running_asyncio_loop(), context)
         with self._lock:
             pending = self._state == _PENDING
             if pending:
@@ -202,7 +222,8 @@ class Transfer:
     # -- per-tensor completion (loads) ------------------------------------------
 
     def tensor_done(self, name: str) -> bool:
-        """True once tensor ``name``'s blocks of this load are in place (a store: once it has ended)."""
+        """True once tensor ``name``'s blocks of this load are in place (a store: once it has ended).
+        ``ValueError`` if ``name`` is not one of the caches' tensors."""
         state = self._tensor_state(name)
         return self._state == _DONE or (state is not None and state.done)
 
@@ -210,20 +231,22 @@ class Transfer:
         """Return once tensor ``name``'s blocks of this load are in place, so layer ``name`` can be used
         while later tensors still load (``load(..., per_tensor=True)`` on a GPU cache with every key in
         host memory; otherwise once the whole transfer is done). Raises what ``await transfer`` raises
-        if the transfer ends first without it. Cancelling the waiting task stops the wait, not the
-        transfer. Works under asyncio, trio and anyio."""
+        if the transfer ends first without it; ``ValueError`` if ``name`` is not one of the caches'
+        tensors. Cancelling the waiting task stops the wait, not the transfer. Works under asyncio,
+        trio and anyio."""
         state = self._tensor_state(name)
-        wake, wait = _waiter()
+        self._check_process()
+        woken = wakeup()
         if state is None:
-            pending = self._on_end_registered(wake)
+            pending = self._on_end_registered(woken.wake)
         else:
             with self._lock:
                 pending = self._state == _PENDING and not state.done
                 if pending:
-                    state.waiters.append(wake)
+                    state.waiters.append(woken.wake)
         if pending:
             self._waiting()
-            await wait()
+            await woken.wait()
         if state is not None and state.done:
             return
         self._outcome()
@@ -242,14 +265,14 @@ class Transfer:
         state.event.wait_on(raw)
 
     def _tensor_state(self, name: str) -> _TensorCopy | None:
-        if self._tensors is None:
-            if self._tensor_names and name not in self._tensor_names:
-                raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensor_names)}")
+        """Tensor ``name``'s copy (None: it is done with the transfer); ValueError if there is no such tensor."""
+        if self._tensors is not None:
+            state = self._tensors.get(name)
+            if state is not None:
+                return state
+        elif name in self._tensor_names:
             return None
-        state = self._tensors.get(name)
-        if state is None:
-            raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensors)}")
-        return state
+        raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensor_names)}")
 
     def _track_tensors(self, names: tuple[str, ...], events: list[Any] | None) -> None:
         """Worker side, before the transfer is returned: the tensors in copy order, and (per-tensor GPU
@@ -273,56 +296,16 @@ class Transfer:
     async def _wait(self) -> TransferResult:
         if self._state != _PENDING or self._finish_if_landed():
             return self._outcome()
-        if asyncio._get_running_loop() is None:  # trio, or anyio on trio
-            return await self._wait_anyio()
-        try:
-            ended = self._when_ended()
+        self._check_process()
+        woken = wakeup()
+        if self._on_end_registered(woken.wake):
             self._waiting()
-            await ended
-        except asyncio.CancelledError:
-            # Our awaiting task was cancelled: cancel the transfer, then hold the
-            # CancelledError back until nothing more is written.
-            self.cancel()
-            await self._wind_down()
-            raise
+            # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
+            # until nothing more is written.
+            cancellation = await woken.wait_through_cancel(self.cancel)
+            if cancellation is not None:
+                raise cancellation
         return self._outcome()
-
-    async def _wind_down(self) -> None:
-        """Wait for the transfer to end whatever happens meanwhile, without spinning: anyio's cancel
-        scopes would re-deliver the cancellation at every await, asyncio's may come again."""
-        import anyio
-
-        ended = self._when_ended()  # the first one was cancelled with the awaiting task
-        with anyio.CancelScope(shield=True):
-            while not ended.done():
-                try:
-                    await asyncio.shield(ended)
-                except asyncio.CancelledError:
-                    continue
-
-    async def _wait_anyio(self) -> TransferResult:
-        """Wait under any backend anyio runs (trio): an anyio ``Event`` set through the backend's
-        thread-safe call."""
-        import anyio
-
-        wake, wait = _waiter()
-        if self._on_end_registered(wake):
-            self._waiting()
-            try:
-                await wait()
-            except anyio.get_cancelled_exc_class():
-                self.cancel()
-                with anyio.CancelScope(shield=True):
-                    await wait()
-                raise
-        return self._outcome()
-
-    def _when_ended(self) -> asyncio.Future[None]:
-        """A future of the running asyncio loop, resolved (through its mailbox) once the transfer ends."""
-        wake, fut = _asyncio_waiter(asyncio.get_running_loop())
-        if not self._on_end_registered(wake):
-            fut.set_result(None)
-        return fut
 
     def _on_end_registered(self, wake: Callable[[Transfer], Any]) -> bool:
         """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended."""
@@ -342,14 +325,24 @@ class Transfer:
         if self._state == _CANCELLED:
             raise self._cancelled_error()
         assert self._exc is not None
-        raise self._exc
+        raise self._exc.with_traceback(self._exc_tb)  # from where it was raised, not from every raise since
 
     def _finish_if_landed(self, wait: bool = False) -> bool:
         """End the transfer here if its copies have completed and its worker has not ended it yet
         (GPU transfers enqueued at call time): a waiter then needs no hop through the worker's thread.
         ``wait``: first sleep until they complete, where that cannot delay seeing a cancel."""
         finisher = self._finisher
-        return finisher is not None and self._state == _PENDING and finisher(wait)
+        return finisher is not None and self._state == _PENDING and not self._in_parent_only() and finisher(wait)
+
+    def _in_parent_only(self) -> bool:
+        """True in a child forked while the transfer ran: it goes on in the parent, never here."""
+        return self._generation != process_generation() and self._state == _PENDING
+
+    def _check_process(self) -> None:
+        if self._in_parent_only():
+            raise ClosedError(
+                f"this {self.kind} was started before a fork() and runs on in the parent process only; it never ends here"
+            )
 
     # -- worker side ------------------------------------------------------------
 
@@ -379,7 +372,7 @@ class Transfer:
             if cancelled:
                 self._state = _CANCELLED
             elif exc is not None:
-                self._state, self._exc = _FAILED, exc
+                self._state, self._exc, self._exc_tb = _FAILED, exc, exc.__traceback__
             else:
                 self._state, self._result = _DONE, result
             callbacks, self._callbacks = self._callbacks, []
@@ -417,31 +410,6 @@ class _TensorCopy:
         self.event = event
         self.done = False
         self.waiters: list[Callable[[Transfer], Any]] = []
-
-
-def _asyncio_waiter(loop: asyncio.AbstractEventLoop) -> tuple[Callable[[Transfer], Any], asyncio.Future[None]]:
-    """A wake-up callable for any thread, and the future of ``loop`` it resolves (through the loop's mailbox)."""
-    fut: asyncio.Future[None] = loop.create_future()
-    box = mailbox_of(loop)
-
-    def wake(_: Transfer) -> None:
-        try:
-            box.post(resolve, fut)
-        except RuntimeError:  # the waiting loop has closed: nobody to wake
-            pass
-
-    return wake, fut
-
-
-def _waiter() -> tuple[Callable[[Transfer], Any], Callable[[], Awaitable[Any]]]:
-    """A wake-up callable for any thread, and what the current task awaits until it is called
-    (asyncio, or any backend anyio runs)."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        wake, fut = _asyncio_waiter(loop)
-        return wake, lambda: fut
-    wake_any, event = event_settable_from_any_thread()
-    return wake_any, event.wait
 
 
 def _call_quietly(fn: Callable[[Transfer], Any], transfer: Transfer, context: contextvars.Context | None = None) -> None:

@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .transfer import Transfer, TransferResult
 from .cross_thread import Mailbox
+from .helper_threads import mark_own_thread
+from .transfer import Transfer, TransferResult
 
 __all__ = ["WorkerLoop", "EndHook"]
 
@@ -51,6 +52,7 @@ class WorkerLoop:
             raise self._start_error
 
     def _run(self) -> None:
+        mark_own_thread()
         asyncio.set_event_loop(self.loop)
         try:
             if self._on_thread_start is not None:
@@ -105,8 +107,11 @@ class WorkerLoop:
         # before it started copies nothing.
         if self.in_thread():
             task.cancel()
-        else:
+            return
+        try:
             self.mailbox.post(task.cancel)
+        except RuntimeError:  # the loop has stopped: stop() cancelled every task, this one included
+            pass
 
     def _task_done(
         self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any], on_end: EndHook | None
@@ -127,10 +132,10 @@ class WorkerLoop:
                 log.exception("%s: transfer end hook raised", self.name)
         transfer._finish(result=result, exc=exc, cancelled=cancelled)
 
-    def stop(self, timeout: float) -> bool:
+    def stop(self, timeout: float | None) -> bool:
         """Cancel every task, wait for them to end, stop the loop and join the thread.
 
-        Returns False if the thread did not end within ``timeout`` seconds; call
+        Returns False if the thread did not end within ``timeout`` seconds (None: no limit); call
         again to go on waiting (the shutdown is requested once). Not from the
         loop's own thread (RuntimeError).
         """

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from ..helper_threads import mark_own_thread
 from ..cross_thread import resolve
 from ..foreign import ForeignCallError
 
@@ -131,6 +132,7 @@ class ThreadBridge:
         return True
 
     def _run(self) -> None:
+        mark_own_thread()
         held: list[tuple[Any, asyncio.Future[None]] | None] = []  # an item taken but not yet complete
         while True:
             item = held.pop() if held else self._queue.get()

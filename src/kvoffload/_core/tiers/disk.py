@@ -28,6 +28,7 @@ import numpy as np
 
 from ..deadline import Deadline
 from ..diskfile import DiskFile, IoBatch, io_jobs
+from ..helper_threads import mark_own_thread
 from ..hostmem import HostBuffer
 from ..copy_worker import CopyRequest, CopyWorkers
 from ..layout import BlockLayout
@@ -130,7 +131,7 @@ class DiskTier:
         self._load_pool: BouncePool
         self._store_pool: BouncePool | None = None
         self.file = DiskFile(path, slots * layout.slot_bytes, use_page_cache=use_page_cache)
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-io")
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-io", initializer=mark_own_thread)
         try:
             # two halves of chunk_blocks slots each, per direction that needs one
             for _ in range(2 if store_bounce else 1):

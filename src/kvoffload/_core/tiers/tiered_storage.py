@@ -210,7 +210,7 @@ class TieredStorage:
         Raises CapacityError with nothing reserved. A store with nothing to copy (every key
         stored already) is done at once, and counted."""
         plan = self.plan_store(blocks)
-        transfer = Transfer("store")
+        transfer = Transfer("store", self.tensor_names)
         if not plan.reservation.entries:
             self._done_at_once(transfer, TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
         else:
@@ -287,7 +287,7 @@ class TieredStorage:
     def load(self, blocks: dict[Hashable, int], after: Any, per_tensor: bool, expedited: bool) -> Transfer:
         """Pin the stored copy of every key of ``blocks`` (key -> destination block id) and start copying
         them out; the running transfer. Raises MissingKeysError with nothing pinned."""
-        transfer = Transfer("load")
+        transfer = Transfer("load", self.tensor_names)
         if not blocks:
             self._done_at_once(transfer, TransferResult("load", (), (), 0, 0.0))
             return transfer
@@ -317,7 +317,6 @@ class TieredStorage:
         # time (GPU) or one chunk (CPU); anything else goes the regular way.
         quick = requests is not None and (self.layout.is_cuda or len(requests) == 1)
         load_worker = self.workers.expedited if expedited and quick and self.workers.expedited is not None else self.workers.load
-        transfer._track_tensors(names, None)  # every tensor ready with the transfer, unless copied one by one
         enqueue = None
         if per_tensor and self.layout.is_cuda and all_host:
             host = self.host
