@@ -109,7 +109,7 @@ def test_scheduler_call_order_round_trips_byte_for_byte(spec_and_worker):
     manager = spec.get_manager()
     orig = snapshot(caches)
     if tiers == "host+disk":
-        assert os.path.exists(tmp_path / "kv.rank_0"), "rank 0 keeps its own disk file"
+        assert os.path.exists(tmp_path / "kv.dp0.rank_0"), "rank 0 of engine 0 keeps its own disk file"
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
     ks = keys("a", 4)  # 4 chunks = 8 GPU blocks
@@ -159,7 +159,7 @@ def test_the_managers_evictions_reach_the_worker_and_pins_hold(spec_and_worker):
     run_job(worker, worker.submit_store, 2, gpu_spec(list(range(16, 26))), out.store_spec)
     manager.complete_store(more, ctx)
     for k in first[3:8]:
-        assert (k, 0) not in worker.offloader and (k, 1) not in worker.offloader
+        assert (0, k, 0) not in worker.offloader and (0, k, 1) not in worker.offloader
     assert worker.offloader.stats().evicted == 0, "kvoffload evicted on its own, behind the manager"
     # every chunk still stored loads its own bytes, the pinned one included
     for t in caches.tensors:
@@ -193,7 +193,7 @@ def test_a_failed_transfer_is_reported_as_failed(spec_and_worker):
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(7, False)]
     manager.complete_store(ks, ctx, success=False)
     assert [manager.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 2
-    assert all((k, 0) not in worker.offloader for k in ks)
+    assert all((0, k, 0) not in worker.offloader for k in ks)
 
 
 def test_hybrid_models_and_missing_sizes_are_refused():
@@ -214,7 +214,7 @@ def test_each_rank_uses_its_own_disk_file(tmp_path):
             offloading_config({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}, rank=rank))
         workers.append(spec.get_worker(canonical_caches(seed=rank)))
     try:
-        assert sorted(os.listdir(tmp_path)) == ["kv.rank_0", "kv.rank_1"]
+        assert sorted(os.listdir(tmp_path)) == ["kv.dp0.rank_0", "kv.dp0.rank_1"]
     finally:
         for w in workers:
             w.shutdown()
@@ -249,3 +249,65 @@ def test_round_trip_on_cuda_tensors(tmp_path):
         assert_blocks(caches, orig, dst, [b for k in live for b in src_of[k]])
     finally:
         worker.shutdown()
+
+
+def config_of(extra: dict, world_size: int = 1, rank: int = 0, dp: int = 0) -> OffloadingConfig:
+    config = offloading_config(extra, rank=rank)
+    parallel = config.parallel.__class__(**{**config.parallel.__dict__, "world_size": world_size, "tp_size": world_size,
+                                            "data_parallel_index": dp})
+    return config.__class__(**{**config.__dict__, "parallel": parallel})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"host_blocks": 16, "disk_bytse": "1GiB"}, r"unknown key\(s\) 'disk_bytse' \(did you mean 'disk_bytes'\?\).*accepts"),
+    ({"host_blocks": 16, "disk_byte": 1 << 30, "disk_path": "/tmp/kv"}, r"'disk_byte' \(did you mean 'disk_bytes'\?\)"),
+    ({"host_blocks": 16, "disk_path": "/tmp/kv"}, r"\['disk_path'\].*needs its size too"),
+    ({"host_blocks": 16, "disk_blocks": 8}, r"\['disk_blocks'\].*needs disk_path"),
+    ({"host_bytes": "16GB"}, r"\['host_bytes'\]: '16GB' is not a size.*GiB"),
+    ({"host_bytes": 1.5e9}, r"\['host_bytes'\]: 1500000000.0 \(float\) is not a size"),
+    ({"host_blocks": 16.0}, r"\['host_blocks'\]: 16.0 \(float\) is not an integer"),
+    ({"host_blocks": True}, r"\['host_blocks'\]: True \(bool\) is not an integer"),
+    ({"host_blocks": 16, "expedited_loads": "no"}, r"\['expedited_loads'\]: 'no' is not a boolean"),
+    ({"host_blocks": 16, "use_page_cache": 1}, r"\['use_page_cache'\]: 1 is not a boolean"),
+    ({"host_blocks": 16, "completion": "busy"}, r"\['completion'\]: 'busy' is not one of 'poll', 'thread'"),
+    ({"host_blocks": 16, "eviction_policy": "lru"}, r"unknown key\(s\) 'eviction_policy'"),
+    ({"host_blocks": 16, "host_bytes": "1GiB"}, r"give one of host_blocks or host_bytes, not both"),
+    ({"host_bytes": 4096}, r"less than one block slot"),
+])
+def test_the_extra_config_is_checked_strictly(extra, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadingSpecFactory.create_spec(offloading_config(extra))
+
+
+def test_sizes_take_binary_suffixes_and_are_totals_for_the_engines_ranks():
+    # slots of 8 KiB (2 pages of 3 KiB, rounded up to 4 KiB)
+    one = OffloadingSpecFactory.create_spec(config_of({"host_bytes": "8MiB", "disk_bytes": "16 MiB", "disk_path": "/tmp/kv"}))
+    assert (one.host_blocks, one.disk_blocks) == (1024, 2048)
+    # tensor parallelism: the same numbers give each of 4 ranks a quarter, as vLLM's cpu_bytes_to_use does
+    tp = OffloadingSpecFactory.create_spec(config_of({"host_bytes": "8MiB", "disk_bytes": 16 << 20, "disk_path": "/tmp/kv"}, world_size=4))
+    assert (tp.host_blocks, tp.disk_blocks) == (256, 512)
+    assert tp.get_manager().capacity == (256 + 512) // BPC
+    # the README's tensor-parallel example: 64 GiB of host memory and a 100 GiB file per rank
+    readme = OffloadingSpecFactory.create_spec(config_of(
+        {"host_bytes": "256GiB", "disk_path": "/mnt/nvme/kv", "disk_bytes": "400GiB"}, world_size=4))
+    assert (readme.host_blocks * 8192, readme.disk_blocks * 8192) == (64 << 30, 100 << 30)
+    # blocks are vLLM blocks: every rank holds its share of each
+    assert OffloadingSpecFactory.create_spec(config_of({"host_blocks": 64}, world_size=4)).host_blocks == 64
+    # vLLM's own name for the host size, and vLLM's own keys, are accepted
+    spec = OffloadingSpecFactory.create_spec(config_of({"cpu_bytes_to_use": 8 << 20, "offload_prompt_only": True,
+                                                        "sync_load_budget_bytes": 0, "expedited_loads": "false"}))
+    assert spec.host_blocks == 1024 and spec.options["expedited_loads"] is False
+
+
+def test_engines_sharing_a_disk_path_never_share_a_file(tmp_path):
+    workers = []
+    try:
+        for dp in (0, 1, 0):  # two data-parallel engines, and a second server with the same settings as the first
+            spec = OffloadingSpecFactory.create_spec(
+                config_of({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}, dp=dp))
+            workers.append(spec.get_worker(canonical_caches(seed=dp)))
+        assert [os.path.basename(w.disk_path) for w in workers] == ["kv.dp0.rank_0", "kv.dp1.rank_0", "kv.dp0.rank_0.1"]
+    finally:
+        for w in workers:
+            w.shutdown()
+    assert os.listdir(tmp_path) == []

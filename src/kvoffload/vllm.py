@@ -2,12 +2,16 @@
 
 Enable it with::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"spec_name": "KvoffloadSpec", "spec_module_path": "kvoffload.vllm",
-                                      "host_bytes": 17179869184, "disk_path": "/mnt/nvme/kv", "disk_bytes": 107374182400}}'
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvoffloadConnector", "kv_connector_module_path": "kvoffload.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"host_bytes": "64GiB", "disk_path": "/mnt/nvme/kv", "disk_bytes": "400GiB"}}'
 
-Sizes are per worker (per rank): ``host_blocks`` or ``host_bytes``, ``disk_blocks`` or
-``disk_bytes`` (blocks are vLLM GPU blocks), ``disk_path`` (rank N uses ``<disk_path>.rank_N``).
+``KvoffloadConnector`` is vLLM's ``OffloadingConnector`` with kvoffload's per-rank figures added
+to vLLM's metrics; ``"kv_connector": "OffloadingConnector"`` with ``"spec_name": "KvoffloadSpec",
+"spec_module_path": "kvoffload.vllm"`` runs the same backend without them.
+
+Sizes are totals for the engine, as vLLM's ``cpu_bytes_to_use`` is: ``host_bytes`` and
+``disk_bytes`` are divided among its workers (ranks). ``host_blocks`` / ``disk_blocks`` count vLLM
+blocks, which every rank holds its share of. Unknown keys and malformed values are errors.
 
 How it maps onto vLLM's contract:
 
@@ -15,32 +19,51 @@ How it maps onto vLLM's contract:
   chunk key in LRU order with its state (being stored, or stored) and its pins (prepared
   loads), and a capacity of ``(host_blocks + disk_blocks) // blocks_per_chunk`` chunks. When a
   store needs room it evicts least-recently-used stored chunks nobody loads, and sends their
-  keys to the workers inside the store spec: a worker discards them before it stores, so the
-  offloader's own eviction never fires behind the manager's back.
+  keys to the workers inside the store spec (every spec of a scheduler step carries the
+  step's evictions so far, whichever of them a worker submits first): a worker discards them
+  before it stores, so the offloader's own eviction never fires behind the manager's back.
+* A cache reset (``reset_prefix_cache(reset_connector=True)``, ``pause``/``sleep``) forgets
+  every chunk, stored, being stored or pinned, and starts a new *generation*. Every spec
+  carries its generation and workers key blocks by it, so nothing stored before a reset can
+  be served after it; the first spec of a new generation makes a worker discard everything of
+  older ones, and stores of an older generation still running are dropped as they end.
 * A worker (one per rank) wraps one :class:`kvoffload.Offloader` over vLLM's canonical KV
-  tensors, keyed per GPU block as ``(chunk key, block index in the chunk)``, so a load that
-  starts in the middle of a chunk reads exactly its blocks. Jobs become :class:`~kvoffload.Transfer`
-  objects; done callbacks report them, ``get_finished`` hands the reports over. A transfer that
-  failed is reported with ``success=False`` (vLLM 0.33 then stops the worker: that is its
-  choice; silent corruption would be ours).
-* One KV cache group only: a hybrid model with several groups is refused at ``get_worker``.
+  tensors, keyed per GPU block as ``(generation, chunk key, block index in the chunk)``, so a
+  load that starts in the middle of a chunk reads exactly its blocks. Stores are queued in
+  order; a part that cannot get slots because running loads (or stores) hold them waits for
+  them to end instead of failing. Only an IO or CUDA error fails a job, reported with
+  ``success=False`` (vLLM 0.33 then stops the worker: that is its choice; silent corruption
+  would be ours).
+* One KV cache group only: a hybrid model with several groups is refused.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import difflib
+import errno
+import fcntl
+import functools
 import os
+import re
 import threading
 import time
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
@@ -49,40 +72,261 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     TransferResult,
 )
-import torch
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import Offloader, Transfer
+from . import CapacityError, Offloader, Options, StartError, Transfer
 
-__all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec"]
+__all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
 
 _SLOT_ALIGN = 4096
+_MAX_DISK_FILES = 64
+"""Suffixes tried for a rank's disk file when other live offloaders (other engines) hold the names before."""
 
+# -- configuration ------------------------------------------------------------------------
+
+_VLLM_KEYS = frozenset({
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+    "self_describing_kv_events", "sync_load_budget_bytes", "canonical_layout",
+})
+"""Keys of ``kv_connector_extra_config`` that vLLM itself reads for its offloading connector."""
+_SIZE_KEYS = ("host_bytes", "disk_bytes", "cpu_bytes_to_use", "chunk_bytes")
+_COUNT_KEYS = {"host_blocks": 0, "disk_blocks": 0, "io_threads": 1, "gather_ctas": 0}
+_BOOL_KEYS = ("use_page_cache", "expedited_loads", "use_batch_copy")
+_CHOICE_KEYS = {"completion": ("poll", "thread"), "gather_priority": ("low", "high"), "copy_engine": ("kernel", "dma")}
+_KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, "disk_path"})
+_OFFLOADER_KEYS = ("chunk_bytes", "io_threads", "gather_ctas", "use_page_cache", "expedited_loads", "use_batch_copy",
+                   "completion", "gather_priority", "copy_engine")
+_SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+)\s*(KiB|MiB|GiB|TiB)?\s*")
+
+
+def _error(key: str, message: str) -> ValueError:
+    return ValueError(f"kv_connector_extra_config[{key!r}]: {message}")
+
+
+def _size(key: str, value: object) -> int:
+    """Bytes: an int, or a string of digits with an optional binary suffix (``"16GiB"``)."""
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m is None:
+            raise _error(key, f"{value!r} is not a size: give bytes as an integer, or digits with KiB, MiB, GiB or TiB ('16GiB')")
+        return int(m[1]) * _SIZE_UNITS[m[2]]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(key, f"{value!r} ({type(value).__name__}) is not a size: give bytes as an integer, or a string such as '16GiB'")
+    if value < 0:
+        raise _error(key, f"{value!r} is negative")
+    return value
+
+
+def _count(key: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(key, f"{value!r} ({type(value).__name__}) is not an integer")
+    if value < minimum:
+        raise _error(key, f"{value!r} is less than {minimum}")
+    return value
+
+
+def _bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):
+        return value == "true"
+    raise _error(key, f"{value!r} is not a boolean: give true or false")
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """``kv_connector_extra_config``, checked and turned into one rank's sizes."""
+
+    host_blocks: int
+    """Host slots per rank (vLLM blocks)."""
+    disk_blocks: int
+    """Disk slots per rank (vLLM blocks)."""
+    disk_path: str | None
+    """The stem of the disk files: each rank of each engine gets its own (:func:`disk_file_stem`)."""
+    offloader_options: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of :class:`kvoffload.Offloader`."""
+
+
+def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size: int, blocks_per_chunk: int = 1) -> ExtraConfig:
+    """Check ``extra`` (``kv_connector_extra_config``) and size one rank's tiers.
+
+    Raises ``ValueError`` naming the key and what was given: for an unknown key (listing the
+    accepted ones), a malformed value, or sizes that leave no room. ``host_bytes``,
+    ``disk_bytes`` and ``cpu_bytes_to_use`` (vLLM's name for the host size) are totals for the
+    engine, divided among ``world_size`` ranks; ``host_blocks`` / ``disk_blocks`` count vLLM
+    blocks (every rank holds its share of each). A rank's slot holds its bytes of one block,
+    ``slot_bytes``.
+    """
+    unknown = sorted(set(extra) - _KVOFFLOAD_KEYS - _VLLM_KEYS)
+    if unknown:
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, _KVOFFLOAD_KEYS, 1)) else repr(k)
+                 for k in unknown]
+        raise ValueError(
+            f"kv_connector_extra_config has unknown key(s) {', '.join(hints)}; kvoffload accepts "
+            f"{', '.join(sorted(_KVOFFLOAD_KEYS))}, and vLLM's own {', '.join(sorted(_VLLM_KEYS))}"
+        )
+    if extra.get("canonical_layout") not in (None, False):
+        raise _error("canonical_layout", "kvoffload keeps each rank's pages as they are; canonical_layout is not supported")
+    world_size = max(1, world_size)
+
+    def tier(name: str, byte_keys: tuple[str, ...]) -> tuple[int, str | None]:
+        given = [k for k in (f"{name}_blocks", *byte_keys) if k in extra]
+        if len(given) > 1:
+            raise _error(given[1], f"give one of {' or '.join(given)}, not both")
+        if not given:
+            return 0, None
+        key = given[0]
+        if key.endswith("_blocks"):
+            return _count(key, extra[key], 0), key
+        total = _size(key, extra[key])
+        blocks = total // world_size // slot_bytes
+        if total and not blocks:
+            raise _error(key, f"{extra[key]!r} is {total} bytes, {total // world_size} per rank over {world_size} ranks: "
+                              f"less than one block slot ({slot_bytes} bytes per rank)")
+        return blocks, key
+
+    host_blocks, host_key = tier("host", ("host_bytes", "cpu_bytes_to_use"))
+    disk_blocks, disk_key = tier("disk", ("disk_bytes",))
+    disk_path = extra.get("disk_path")
+    if disk_path is not None and (not isinstance(disk_path, str) or not disk_path or "\0" in disk_path):
+        raise _error("disk_path", f"{disk_path!r} is not a path")
+    if disk_key is not None and disk_path is None:
+        raise _error(disk_key, "the disk tier needs disk_path too")
+    if disk_path is not None and disk_key is None:
+        raise _error("disk_path", "the disk tier needs its size too: disk_bytes (such as '400GiB') or disk_blocks")
+    if (host_blocks + disk_blocks) < blocks_per_chunk:
+        raise ValueError(
+            "kv_connector_extra_config gives kvoffload no room: set host_bytes (such as '64GiB', the total for "
+            f"the engine's ranks) or host_blocks, and optionally disk_path with disk_bytes or disk_blocks "
+            f"(got {host_key or 'no host size'}, {disk_key or 'no disk size'}: {host_blocks} host and {disk_blocks} "
+            f"disk slots per rank, fewer than one chunk of {blocks_per_chunk} blocks)"
+        )
+    options: dict[str, Any] = {"expedited_loads": True}  # vLLM waits on expedited loads at once
+    for key in _OFFLOADER_KEYS:
+        if key not in extra:
+            continue
+        value = extra[key]
+        if key in _SIZE_KEYS:
+            options[key] = _size(key, value)
+        elif key in _COUNT_KEYS:
+            options[key] = _count(key, value, _COUNT_KEYS[key])
+        elif key in _BOOL_KEYS:
+            options[key] = _bool(key, value)
+        elif value not in _CHOICE_KEYS[key]:
+            raise _error(key, f"{value!r} is not one of {', '.join(map(repr, _CHOICE_KEYS[key]))}")
+        else:
+            options[key] = value
+    try:
+        Options(host_blocks=host_blocks, disk_blocks=disk_blocks, disk_path=disk_path, **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"kv_connector_extra_config: {e}") from None
+    return ExtraConfig(host_blocks, disk_blocks, disk_path, options)
+
+
+def disk_file_stem(disk_path: str, data_parallel_index: int, rank: int) -> str:
+    """The disk file of one rank of one data-parallel engine: ``<disk_path>.dp<D>.rank_<R>``.
+
+    A worker takes the first of that name and ``<name>.1``, ``<name>.2``, ... that no live
+    offloader holds, so several ``vllm serve`` processes given one ``disk_path`` never collide.
+    """
+    return f"{disk_path}.dp{data_parallel_index}.rank_{rank}"
+
+
+def _held_by_live_offloader(path: str) -> bool:
+    """True if a regular file at ``path`` is flock'ed by a live offloader (of any process)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        return e.errno == errno.EWOULDBLOCK
+    finally:
+        os.close(fd)
+    return False
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+class Metric:
+    """Names of the metrics kvoffload adds to vLLM's (``/metrics``, and the periodic log)."""
+
+    # The manager's (scheduler process), with plain OffloadingConnector too:
+    LOADED_CHUNKS = "vllm:kvoffload_loaded_chunks"
+    STORED_CHUNKS = "vllm:kvoffload_stored_chunks"
+    STORING_CHUNKS = "vllm:kvoffload_storing_chunks"
+    EVICTED_CHUNKS = "vllm:kvoffload_evicted_chunks"
+    REFUSED_STORES = "vllm:kvoffload_refused_stores"
+    RESETS = "vllm:kvoffload_resets"
+    # The workers' (summed over ranks), with KvoffloadConnector:
+    LOADED_BLOCKS = "vllm:kvoffload_loaded_blocks"
+    SPILLED_BLOCKS = "vllm:kvoffload_spilled_blocks"
+    EVICTED_BLOCKS = "vllm:kvoffload_evicted_blocks"
+    DISK_BYTES = "vllm:kvoffload_disk_bytes"
+    DISK_IO_ERRORS = "vllm:kvoffload_disk_io_errors"
+    FAILED_JOBS = "vllm:kvoffload_failed_jobs"
+    STORE_WAITS = "vllm:kvoffload_store_waits"
+    JOB_SECONDS = "vllm:kvoffload_job_seconds"
+
+
+_JOB_SECONDS_BUCKETS = tuple(1e-4 * 2**i for i in range(18))  # 100 us .. 13 s
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """What vLLM needs to register kvoffload's metrics (``OffloadingSpec.build_metric_definitions``)."""
+    counter, gauge, hist = OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingHistogramMetadata
+    return {
+        Metric.LOADED_CHUNKS: counter("Chunks prepared for loading, by the tier the manager expects them in.", ("tier",)),
+        Metric.STORED_CHUNKS: gauge("Chunks stored, by the tier the manager expects them in.", ("tier",)),
+        Metric.STORING_CHUNKS: gauge("Chunks being stored."),
+        Metric.EVICTED_CHUNKS: counter("Chunks the manager evicted to make room for stores."),
+        Metric.REFUSED_STORES: counter("Stores skipped because every chunk was pinned by loads or being stored."),
+        Metric.RESETS: counter("Connector cache resets."),
+        Metric.LOADED_BLOCKS: counter("Blocks loaded, by the tier their bytes came from (summed over ranks).", ("tier",)),
+        Metric.SPILLED_BLOCKS: counter("Blocks moved from host memory to disk (summed over ranks)."),
+        Metric.EVICTED_BLOCKS: counter("Blocks the offloader dropped on its own to make room; stays 0 (summed over ranks).", ("tier",)),
+        Metric.DISK_BYTES: counter("Bytes read from and written to the disk files (summed over ranks).", ("direction",)),
+        Metric.DISK_IO_ERRORS: counter("Disk IO calls that failed (summed over ranks)."),
+        Metric.FAILED_JOBS: counter("Jobs reported failed: IO or CUDA errors (summed over ranks).", ("kind",)),
+        Metric.STORE_WAITS: counter("Store parts that waited for slots held by running transfers (summed over ranks)."),
+        Metric.JOB_SECONDS: hist("Seconds from a job's submission to its end, per rank.", ("kind",), _JOB_SECONDS_BUCKETS),
+    }
+
+
+def _new_stats() -> Any:
+    # Imported here: the metrics module pulls in vLLM's whole config, which kvoffload.vllm's
+    # other users (a spec built by hand, say) need not install.
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    return OffloadingConnectorStats()
+
+
+# -- the spec --------------------------------------------------------------------------------
 
 class KeysSpec(LoadStoreSpec):  # type: ignore[misc]
-    """What a worker needs for a job: the chunk keys in order, and (stores) keys to discard first."""
+    """What a worker needs for a job: the chunk keys in order, the reset generation they belong
+    to, and (stores) keys the manager evicted, to discard first."""
 
-    def __init__(self, keys: list[OffloadKey], evicted: list[OffloadKey] | None = None) -> None:
+    def __init__(self, keys: list[OffloadKey], evicted: list[OffloadKey] | None = None, generation: int = 0) -> None:
         self.keys = list(keys)
         self.evicted = list(evicted or ())
+        self.generation = generation
 
     def __repr__(self) -> str:
-        return f"KeysSpec({len(self.keys)} keys, {len(self.evicted)} evicted)"
-
-
-def _blocks_option(extra: dict[str, Any], tier: str, slot_bytes: int) -> int:
-    blocks, nbytes = extra.get(f"{tier}_blocks"), extra.get(f"{tier}_bytes")
-    if blocks is not None and nbytes is not None:
-        raise ValueError(f"give {tier}_blocks or {tier}_bytes in kv_connector_extra_config, not both")
-    if blocks is not None:
-        return int(blocks)
-    if nbytes is not None:
-        return int(nbytes) // slot_bytes
-    return 0
+        return f"KeysSpec({len(self.keys)} keys, {len(self.evicted)} evicted, generation {self.generation})"
 
 
 class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
     """vLLM ``OffloadingSpec``: one manager in the scheduler, one worker per rank."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -91,63 +335,91 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"kvoffload serves models with one KV cache group; this one has {len(config.groups)} "
                 "(hybrid attention): use vLLM's CPUOffloadingSpec for it"
             )
-        extra = dict(self.extra_config)
         block_bytes = int(config.worker_kv_bytes_per_block)
         self.slot_bytes = -(-block_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
-        self.host_blocks = _blocks_option(extra, "host", self.slot_bytes)
-        self.disk_blocks = _blocks_option(extra, "disk", self.slot_bytes)
-        self.disk_path: str | None = extra.get("disk_path")
-        if self.disk_blocks and not self.disk_path:
-            raise ValueError("disk_blocks/disk_bytes need disk_path in kv_connector_extra_config")
-        if self.host_blocks + self.disk_blocks < self.blocks_per_chunk:
-            raise ValueError(
-                "kv_connector_extra_config gives kvoffload no room: set host_blocks or host_bytes "
-                "(and optionally disk_blocks or disk_bytes and disk_path)"
-            )
+        parsed = parse_extra_config(
+            self.extra_config, slot_bytes=self.slot_bytes, world_size=int(config.parallel.world_size),
+            blocks_per_chunk=self.blocks_per_chunk,
+        )
+        self.host_blocks = parsed.host_blocks
+        self.disk_blocks = parsed.disk_blocks
+        self.disk_path = parsed.disk_path
+        self.options = parsed.offloader_options
         self.rank = int(config.parallel.rank)
-        self.options: dict[str, Any] = {
-            k: extra[k] for k in ("chunk_bytes", "io_threads", "use_page_cache", "completion") if k in extra
-        }
-        self.options["expedited_loads"] = bool(extra.get("expedited_loads", True))  # vLLM waits on expedited loads at once
+        self.data_parallel_index = int(config.parallel.data_parallel_index)
         self._manager: KvoffloadManager | None = None
 
     def get_manager(self) -> KvoffloadManager:
         if self._manager is None:
-            self._manager = KvoffloadManager((self.host_blocks + self.disk_blocks) // self.blocks_per_chunk)
+            self._manager = KvoffloadManager(
+                (self.host_blocks + self.disk_blocks) // self.blocks_per_chunk,
+                host_capacity=self.host_blocks // self.blocks_per_chunk if self.disk_blocks else None,
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvoffloadWorker:
         if len(kv_caches.group_data_refs) != 1:
             raise ValueError(f"kvoffload serves one KV cache group; got {len(kv_caches.group_data_refs)}")
-        disk_path = f"{self.disk_path}.rank_{self.rank}" if self.disk_blocks else None
-        return KvoffloadWorker(kv_caches, self.blocks_per_chunk, self.host_blocks, self.disk_blocks, disk_path, self.options)
+        stem = disk_file_stem(self.disk_path, self.data_parallel_index, self.rank) if self.disk_path else None
+        return KvoffloadWorker(kv_caches, self.blocks_per_chunk, self.host_blocks, self.disk_blocks, stem, self.options)
 
+
+# -- the manager (scheduler process) --------------------------------------------------------
 
 class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
-    """The scheduler's index of offloaded chunks: states, pins, LRU, capacity in chunks."""
+    """The scheduler's index of offloaded chunks: states, pins, LRU, capacity in chunks.
 
-    def __init__(self, capacity: int) -> None:
+    ``host_capacity`` (chunks), given when there is a disk tier too, lets the manager follow
+    which chunks the workers keep in host memory (stores land there; the least recently stored
+    or loaded ones move to disk), for :meth:`get_load_source` and the metrics.
+    """
+
+    def __init__(self, capacity: int, host_capacity: int | None = None) -> None:
         self.capacity = capacity
+        self.host_capacity = host_capacity
+        self.generation = 0
+        """Cache resets so far; workers key their blocks by it."""
         self._ready: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()  # LRU first
         self._storing: set[OffloadKey] = set()
         self._pins: collections.Counter[OffloadKey] = collections.Counter()
+        self._on_host: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        """With both tiers: chunks (stored or being stored) expected in host memory, in the workers' LRU order."""
+        self._step_evictions: list[OffloadKey] = []
+        """Chunks evicted during this scheduler step: every store spec of the step carries them."""
+        self._stats = _new_stats() if _stats_available() else None
 
     def _free(self) -> int:
         return self.capacity - len(self._ready) - len(self._storing)
+
+    def _tier(self, key: OffloadKey) -> str:
+        if self.host_capacity is None:
+            return "host"
+        return "host" if key in self._on_host else "disk"
+
+    def _count(self, name: str, n: int = 1, labels: tuple[str, ...] = ()) -> None:
+        if self._stats is not None and n:
+            self._stats.increase_counter(name, n, labels)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._ready:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """The tier a hit is expected in: host memory or disk."""
+        return CacheHitSource.HOST if self._tier(key) == "host" else CacheHitSource.DISK
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KeysSpec:
         for k in keys:
             if k not in self._ready:
                 raise KeyError(f"prepare_load of a chunk that is not stored: {k!r}")
         for k in keys:
+            self._count(Metric.LOADED_CHUNKS, 1, (self._tier(k),))
             self._pins[k] += 1
             self._ready.move_to_end(k)
-        return KeysSpec(list(keys))
+            if k in self._on_host:
+                self._on_host.move_to_end(k)  # a load makes it the most recently used of its tier
+        return KeysSpec(list(keys), generation=self.generation)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for k in keys:
@@ -157,7 +429,7 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for k in keys:
             if self._pins[k] <= 1:
-                del self._pins[k]
+                self._pins.pop(k, None)  # also a load prepared before a reset
             else:
                 self._pins[k] -= 1
 
@@ -172,11 +444,34 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
                 if not self._pins[k]:
                     evicted.append(k)
             if len(evicted) < shortfall:
+                self._count(Metric.REFUSED_STORES)
                 return None  # everything else is being stored or loaded: nothing can be stored now
             for k in evicted:
                 del self._ready[k]
+                self._on_host.pop(k, None)
+            self._count(Metric.EVICTED_CHUNKS, len(evicted))
         self._storing.update(new)
-        return PrepareStoreOutput(keys_to_store=new, store_spec=KeysSpec(new, evicted), evicted_keys=evicted)
+        self._step_evictions += evicted
+        if self.host_capacity:
+            self._place_on_host(new)
+        spec = KeysSpec(new, list(self._step_evictions), self.generation)
+        return PrepareStoreOutput(keys_to_store=new, store_spec=spec, evicted_keys=evicted)
+
+    def _place_on_host(self, new: list[OffloadKey]) -> None:
+        """Follow the workers' host tier: new chunks land there, pushing the least recently used
+        stored chunks that no load pins to disk."""
+        assert self.host_capacity is not None
+        for k in new:
+            self._on_host[k] = None
+        excess = len(self._on_host) - self.host_capacity
+        spilled: list[OffloadKey] = []
+        for k in self._on_host:  # least recently used first
+            if len(spilled) >= excess:
+                break
+            if k in self._ready and not self._pins[k]:
+                spilled.append(k)
+        for k in spilled:
+            del self._on_host[k]
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         for k in keys:
@@ -184,16 +479,72 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
                 self._storing.discard(k)
                 if success:
                     self._ready[k] = None
+                else:
+                    self._on_host.pop(k, None)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def on_schedule_end(self, context: Any) -> None:
+        self._step_evictions = []
+
     def reset_cache(self) -> None:
+        """Forget every chunk (stored, being stored, pinned) and start a new generation: the
+        workers never serve a block stored before it, and drop them all."""
         self._ready.clear()
+        self._storing.clear()
+        self._pins.clear()
+        self._on_host.clear()
+        self._step_evictions = []
+        self.generation += 1
+        self._count(Metric.RESETS)
+
+    def get_stats(self) -> Any:
+        """vLLM's ``OffloadingConnectorStats``: counters since the last call, gauges now."""
+        if self._stats is None:
+            return None
+        stats, self._stats = self._stats, _new_stats()
+        # Chunks being stored are all expected in host memory (nothing pushes them out).
+        if self.host_capacity is None:
+            on_host = len(self._ready)
+        else:
+            on_host = len(self._on_host) - len(self._storing) if self.host_capacity else 0
+        stats.set_gauge(Metric.STORED_CHUNKS, on_host, ("host",))
+        stats.set_gauge(Metric.STORED_CHUNKS, len(self._ready) - on_host, ("disk",))
+        stats.set_gauge(Metric.STORING_CHUNKS, len(self._storing))
+        return stats
 
     def stored_keys(self) -> list[OffloadKey]:
         """Stored chunk keys, least recently used first."""
         return list(self._ready)
+
+
+def _stats_available() -> bool:
+    try:
+        _new_stats()
+    except ImportError:
+        return False
+    return True
+
+
+# -- the worker (one per rank) ----------------------------------------------------------------
+
+@dataclass(eq=False)
+class _StoreJob:
+    """A store job: its blocks, stored in parts of at most one tier's size, one after another."""
+
+    job_id: int
+    generation: int
+    blocks: list[tuple[Hashable, int]]
+    """(offloader key, GPU block id) in order."""
+    after: Any
+    """A CUDA event the copies follow (later parts start from worker threads), or None."""
+    started: float
+    next: int = 0
+    """Index in ``blocks`` of the first block not yet handed to the offloader."""
+    running: Transfer | None = None
+    nbytes: int = 0
+    waited: bool = False
 
 
 class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
@@ -201,7 +552,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
     def __init__(
         self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, host_blocks: int, disk_blocks: int,
-        disk_path: str | None, options: dict[str, Any],
+        disk_file: str | None, options: dict[str, Any],
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk
         self.store_limit = host_blocks or disk_blocks
@@ -209,92 +560,203 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         that each part spills the one before it to disk."""
         tensors = {f"tensor.{i}": t.tensor for i, t in enumerate(kv_caches.tensors)}
         self.cuda = kv_caches.tensors[0].tensor.is_cuda
-        if disk_path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(disk_path)), exist_ok=True)
-        self.offloader = Offloader(tensors, host_blocks=host_blocks, disk_path=disk_path, disk_blocks=disk_blocks, **options)
-        self.offloader.start()
+        self.offloader = _start_offloader(tensors, host_blocks, disk_blocks, disk_file, options)
+        self.disk_path = self.offloader.options.disk_path
+        """The file this rank's disk tier uses (None without one)."""
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
         self._reported: dict[int, threading.Event] = {}
         """Jobs submitted and not yet handed over by get_finished; each event is set once its result is in _finished."""
         self._loads: dict[int, Transfer] = {}
         """Load jobs not yet reported: :meth:`wait` waits on them itself."""
+        self._stores: collections.deque[_StoreJob] = collections.deque()
+        """Store jobs with parts not yet handed to the offloader, in submission order."""
+        self._running_stores: collections.Counter[int] = collections.Counter()
+        """Store parts running, per generation."""
+        self._pumping = False
+        self._pump_again = False
+        self.generation = 0
+        """The newest reset generation seen in a spec."""
+        self._chunks: dict[int, set[OffloadKey]] = collections.defaultdict(set)
+        """Chunk keys stored (or being stored) per generation: dropped when a newer one begins."""
+        self._job_seconds: list[tuple[str, float]] = []
+        self._failed = collections.Counter[str]()
+        self._store_waits = 0
+        self._last_counts: dict[str, int] = {}
+        self._stats_read_at = -float("inf")
+        self.stats_period_s = 1.0
+        """How often :meth:`take_stats` reads the offloader's counters (``stats()`` walks the index)."""
 
-    def _gpu_blocks(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> dict[Hashable, int]:
-        """``(chunk key, block index in chunk) -> GPU block id`` for every GPU block of the job."""
-        bpc = self.blocks_per_chunk
+    # -- keys and generations ------------------------------------------------------------
+
+    def _gpu_blocks(self, spec: KeysSpec, gpu: GPULoadStoreSpec) -> dict[Hashable, int]:
+        """``(generation, chunk key, block index in chunk) -> GPU block id`` for every GPU block of the job."""
+        bpc, keys, gen = self.blocks_per_chunk, spec.keys, spec.generation
         first = int(gpu.block_indices[0]) if len(gpu.block_indices) else 0
         skip = first % bpc
         out: dict[Hashable, int] = {}
         for i, block_id in enumerate(gpu.block_ids.tolist()):
             chunk, sub = divmod(skip + i, bpc)
-            out[(keys[chunk], sub)] = int(block_id)
+            out[(gen, keys[chunk], sub)] = int(block_id)
         return out
+
+    def _blocks_of(self, generation: int, chunks: Collection[OffloadKey]) -> list[Hashable]:
+        return [(generation, k, sub) for k in chunks for sub in range(self.blocks_per_chunk)]
+
+    def _enter_generation(self, generation: int) -> None:
+        """A spec of ``generation``: if it is new, drop every block of the generations before it
+        (also those still being stored: their stores end without publishing them)."""
+        with self._lock:
+            if generation <= self.generation:
+                return
+            self.generation = generation
+            old = {g: chunks for g, chunks in self._chunks.items() if g < generation}
+            for g in old:
+                del self._chunks[g]
+        for g, chunks in old.items():
+            self.offloader.discard(self._blocks_of(g, chunks))
+
+    # -- reports -------------------------------------------------------------------------
 
     def _begin(self, job_id: int) -> None:
         with self._lock:
             self._reported[job_id] = threading.Event()
 
-    def _report(self, job_id: int, ok: bool, nbytes: int | None = None, seconds: float | None = None) -> None:
+    def _report(self, job_id: int, kind: str, ok: bool, started: float, nbytes: int | None = None) -> None:
+        seconds = time.perf_counter() - started
         with self._lock:
-            self._finished.append(TransferResult(job_id, ok, nbytes, seconds))
+            self._finished.append(TransferResult(job_id, ok, nbytes, seconds if nbytes is not None else None))
+            self._job_seconds.append((kind, seconds))
+            if not ok:
+                self._failed[kind] += 1
             reported = self._reported.get(job_id)
         if reported is not None:
             reported.set()
 
+    # -- stores --------------------------------------------------------------------------
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KeysSpec)
+        started = time.perf_counter()
         self._begin(job_id)
+        self._enter_generation(dst_spec.generation)
         if dst_spec.evicted:  # the manager's evictions, before anything new takes room
-            self.offloader.discard((k, sub) for k in dst_spec.evicted for sub in range(self.blocks_per_chunk))
-        blocks = list(self._gpu_blocks(dst_spec.keys, src_spec).items())
+            self.offloader.discard(self._blocks_of(dst_spec.generation, dst_spec.evicted))
+        with self._lock:
+            if dst_spec.generation == self.generation:  # an older one is fenced off: it stores nothing
+                chunks = self._chunks[dst_spec.generation]
+                chunks.difference_update(dst_spec.evicted)
+                chunks.update(dst_spec.keys)
         # Later parts start from a worker thread: they follow the caller's stream through an event.
         after = torch.cuda.Event() if self.cuda else None
         if after is not None:
             after.record()
-        self._store_part(job_id, blocks, 0, after, time.perf_counter(), 0)
+        job = _StoreJob(job_id, dst_spec.generation, list(self._gpu_blocks(dst_spec, src_spec).items()), after, started)
+        with self._lock:
+            self._stores.append(job)
+        self._pump()
         return True
 
-    def _store_part(
-        self, job_id: int, blocks: list[tuple[Hashable, int]], start: int, after: Any, started: float, nbytes: int,
-    ) -> None:
-        end = start + self.store_limit
+    def _pump(self) -> None:
+        """Start the store parts that can start, in order. Called after every submit and every
+        transfer's end; a call made while another runs (in any thread, or from a transfer that
+        ended inside ``store()``) makes that one go round again instead."""
+        with self._lock:
+            if self._pumping:
+                self._pump_again = True
+                return
+            self._pumping = True
         try:
-            transfer = self.offloader.store(dict(blocks[start:end]), after=after)
-        except Exception:  # reported as failed; vLLM decides what follows
-            self._report(job_id, False)
-            return
+            while True:
+                with self._lock:
+                    self._pump_again = False
+                self._start_parts()
+                with self._lock:
+                    if not self._pump_again:
+                        self._pumping = False
+                        return
+        except BaseException:
+            with self._lock:
+                self._pumping = False
+            raise
 
-        def part_ended(t: Transfer) -> None:
-            if t.cancelled() or t.exception() is not None:
-                self._report(job_id, False)
-            elif end < len(blocks):
-                self._store_part(job_id, blocks, end, after, started, nbytes + t.result().nbytes)
-            else:
-                self._report(job_id, True, nbytes + t.result().nbytes, time.perf_counter() - started)
+    def _start_parts(self) -> None:
+        while True:
+            with self._lock:
+                if not self._stores:
+                    return
+                job = self._stores[0]
+                if job.running is not None:
+                    return  # its next part spills this one: it starts when this one ends
+                fenced = job.generation < self.generation
+                if not fenced and any(g < job.generation and n for g, n in self._running_stores.items()):
+                    return  # stores from before a reset still hold slots the manager counts as free
+                if fenced:
+                    self._stores.popleft()
+            if fenced:  # a reset came since it was prepared: vLLM ignores its report, nothing is stored
+                self._report(job.job_id, "store", True, job.started)
+                continue
+            end = job.next + self.store_limit
+            try:
+                transfer = self.offloader.store(dict(job.blocks[job.next:end]), after=job.after)
+            except CapacityError:  # running loads (or stores) hold the slots: wait for one to end
+                if not job.waited:
+                    job.waited = True
+                    with self._lock:
+                        self._store_waits += 1
+                return
+            except Exception:
+                with self._lock:
+                    self._stores.popleft()
+                self._report(job.job_id, "store", False, job.started)
+                continue
+            with self._lock:
+                job.next, job.running, job.waited = end, transfer, False
+                self._running_stores[job.generation] += 1
+                if job.next >= len(job.blocks):
+                    self._stores.popleft()
+            transfer._on_end(functools.partial(self._store_part_ended, job))  # on the thread that ends it
 
-        transfer._on_end(part_ended)  # on the thread that ends it: no caller's loop involved
+    def _store_part_ended(self, job: _StoreJob, t: Transfer) -> None:
+        ok = not t.cancelled() and t.exception() is None
+        with self._lock:
+            self._running_stores[job.generation] -= 1
+            job.running = None
+            if ok:
+                job.nbytes += t.result().nbytes
+            last = job.next >= len(job.blocks)
+            if not ok and not last:
+                self._stores.remove(job)
+        if not ok or last:
+            self._report(job.job_id, "store", ok, job.started, job.nbytes if ok else None)
+        self._pump()
+
+    # -- loads ---------------------------------------------------------------------------
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
         assert isinstance(src_spec, KeysSpec)
+        started = time.perf_counter()
         self._begin(job_id)
+        self._enter_generation(src_spec.generation)
         try:
-            transfer = self.offloader.load(self._gpu_blocks(src_spec.keys, dst_spec), expedited=expedited)
+            transfer = self.offloader.load(self._gpu_blocks(src_spec, dst_spec), expedited=expedited)
         except Exception:
-            self._report(job_id, False)
+            self._report(job_id, "load", False, started)
             return True
 
         def ended(t: Transfer) -> None:
             ok = not t.cancelled() and t.exception() is None
-            result = t.result() if ok else None
             with self._lock:
                 self._loads.pop(job_id, None)
-            self._report(job_id, ok, result.nbytes if result else None, result.seconds if result else None)
+            self._report(job_id, "load", ok, started, t.result().nbytes if ok else None)
+            self._pump()  # a store may wait for the slots this load held
 
         with self._lock:
             self._loads[job_id] = transfer
         transfer._on_end(ended)
         return True
+
+    # -- vLLM's polling ------------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
@@ -309,12 +771,118 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             events = [self._reported[j] for j in job_ids if j in self._reported]
             loads = [self._loads[j] for j in job_ids if j in self._loads]
         for t in loads:  # waited on here: ended in this thread once its copies land, no worker hop
-            try:
+            with contextlib.suppress(Exception):  # reported as failed by its done callback
                 t.result()
-            except Exception:  # reported as failed by its done callback
-                pass
         for e in events:
             e.wait()
 
+    def take_stats(self) -> Any:
+        """vLLM's ``OffloadingConnectorStats`` of this rank since the last call (vLLM asks every
+        step; the offloader's own counters are read at most every ``stats_period_s``)."""
+        delta = collections.Counter[str]()
+        now = time.monotonic()
+        if now - self._stats_read_at >= self.stats_period_s:
+            self._stats_read_at = now
+            s = self.offloader.stats()
+            counts = {
+                "host": s.keys_loaded_from_host, "disk": s.keys_loaded_from_disk, "spilled": s.spilled,
+                "evicted_host": s.evicted_host, "evicted_disk": s.evicted_disk, "read": s.disk_bytes_read,
+                "written": s.disk_bytes_written, "io_errors": s.disk_io_errors,
+            }
+            delta.update({k: v - self._last_counts.get(k, 0) for k, v in counts.items()})
+            self._last_counts = counts
+        with self._lock:
+            seconds, self._job_seconds = self._job_seconds, []
+            failed, self._failed = self._failed, collections.Counter()
+            waits, self._store_waits = self._store_waits, 0
+        stats = _new_stats()
+        for tier in ("host", "disk"):
+            if delta[tier]:
+                stats.increase_counter(Metric.LOADED_BLOCKS, delta[tier], (tier,))
+            if delta[f"evicted_{tier}"]:
+                stats.increase_counter(Metric.EVICTED_BLOCKS, delta[f"evicted_{tier}"], (tier,))
+        for direction in ("read", "written"):
+            if delta[direction]:
+                stats.increase_counter(Metric.DISK_BYTES, delta[direction], (direction,))
+        if delta["spilled"]:
+            stats.increase_counter(Metric.SPILLED_BLOCKS, delta["spilled"])
+        if delta["io_errors"]:
+            stats.increase_counter(Metric.DISK_IO_ERRORS, delta["io_errors"])
+        for kind, n in failed.items():
+            stats.increase_counter(Metric.FAILED_JOBS, n, (kind,))
+        if waits:
+            stats.increase_counter(Metric.STORE_WAITS, waits)
+        for kind, secs in seconds:
+            stats.observe_histogram(Metric.JOB_SECONDS, secs, (kind,))
+        return stats
+
     def shutdown(self) -> None:
         self.offloader.close()
+
+
+def _start_offloader(
+    tensors: dict[str, torch.Tensor], host_blocks: int, disk_blocks: int, disk_file: str | None, options: dict[str, Any],
+) -> Offloader:
+    """A started offloader; with a disk tier, on the first of ``disk_file``, ``disk_file.1``, ...
+    that no live offloader holds (another engine given the same ``disk_path``)."""
+    if disk_file is None:
+        return Offloader(tensors, host_blocks=host_blocks, **options).start()
+    os.makedirs(os.path.dirname(os.path.abspath(disk_file)), exist_ok=True)
+    for n in range(_MAX_DISK_FILES):
+        path = disk_file if n == 0 else f"{disk_file}.{n}"
+        if _held_by_live_offloader(path):
+            continue
+        off = Offloader(tensors, host_blocks=host_blocks, disk_path=path, disk_blocks=disk_blocks, **options)
+        try:
+            return off.start()
+        except StartError:
+            if _held_by_live_offloader(path):  # another engine took it between our look and our start
+                continue
+            raise
+    raise StartError(f"{disk_file} and {_MAX_DISK_FILES - 1} numbered variants are all held by live offloaders")
+
+
+# -- the connector ----------------------------------------------------------------------------
+
+_SPEC_DEFAULTS = {"spec_name": "KvoffloadSpec", "spec_module_path": __name__}
+
+
+def _connector_class() -> type:
+    """``KvoffloadConnector``, built on first use: importing vLLM's connector pulls in vLLM's
+    whole engine, which a spec built by hand does not need."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    def with_spec(vllm_config: Any) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        for key, value in _SPEC_DEFAULTS.items():
+            extra.setdefault(key, value)
+
+    class KvoffloadConnector(OffloadingConnector):  # type: ignore[misc]
+        """vLLM's ``OffloadingConnector`` with kvoffload as its spec (no ``spec_name`` needed),
+        adding each rank's figures (tiers, spills, disk IO, job latency) to vLLM's metrics."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            with_spec(vllm_config)
+            super().__init__(vllm_config, role, kv_cache_config)
+
+        def get_kv_connector_stats(self) -> Any:
+            worker = self.connector_worker.worker if self.connector_worker is not None else None
+            if isinstance(worker, KvoffloadWorker):
+                return worker.take_stats()
+            return super().get_kv_connector_stats()
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+            with_spec(vllm_config)
+            return super().build_prom_metrics(vllm_config, *args, **kwargs)
+
+    KvoffloadConnector.__module__ = __name__
+    return KvoffloadConnector
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvoffloadConnector":
+        cls = _connector_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
