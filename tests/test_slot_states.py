@@ -9,7 +9,8 @@ another key's bytes, as it would to a user.
 
 ``test_interleavings_keep_every_slot_owned_once`` runs many stores, loads, discards and
 cancellations interleaved step by step at random (at least 100,000 steps per CI run, figure printed at
-the end), and checks every invariant after every step. ``test_the_discarded_spill_victim_*`` replays,
+the end), and checks every invariant after every step. Its keys are strings (half of the runs), keys
+with methods of their own (a new object at each use), or a mix of both, equal to each other. ``test_the_discarded_spill_victim_*`` replays,
 on a real offloader, the sequence that once returned another key's bytes.
 """
 
@@ -21,7 +22,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Generator, Hashable
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass, field
 
 import pytest
@@ -173,6 +174,38 @@ def test_slots_freed_in_any_order_go_to_the_next_store_in_ascending_order():
 
 HOST_SLOTS, DISK_SLOTS = 4, 6
 KEYS = [f"k{i}" for i in range(14)]
+"""The model's keys by name; a run passes the index the key objects its kind makes of them (``World.key``)."""
+
+
+class Named:
+    """A key with ``__hash__`` and ``__eq__`` of its own: equal to its name and to any ``Named`` of that name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.name if isinstance(other, str) else isinstance(other, Named) and other.name == self.name
+
+    def __repr__(self) -> str:
+        return f"Named({self.name!r})"
+
+
+KEY_KINDS: dict[str, Callable[[random.Random, str], Hashable]] = {
+    "strings": lambda rng, name: name,
+    "own methods": lambda rng, name: Named(name),
+    "mixed": lambda rng, name: name if rng.random() < 0.5 else Named(name),
+}
+
+
+def name_of(key: Hashable) -> str:
+    return key if type(key) is str else key.name  # type: ignore[attr-defined,return-value]
+
+
 STEPS = int(os.environ.get("KVOFFLOAD_INDEX_STEPS", "200000"))
 FIGURES: Counter[str] = Counter()
 
@@ -191,9 +224,10 @@ class Blocked:
 class World:
     ix: BlockIndex
     rng: random.Random
+    kind: str
     mem: tuple[list[object], list[object]] = field(default_factory=lambda: ([None] * HOST_SLOTS, [None] * DISK_SLOTS))
-    tag: dict[Hashable, object] = field(default_factory=dict)
-    """Key -> tag of its published bytes, for keys the model knows as visible."""
+    tag: dict[str, object] = field(default_factory=dict)
+    """Key name -> tag of its published bytes, for keys the model knows as visible."""
     version: int = 0
     evicted_seen: int = 0
     trace: list[str] = field(default_factory=list)
@@ -202,18 +236,25 @@ class World:
         self.trace.append(line)
         del self.trace[:-60]
 
+    def keys(self, names: list[str]) -> list[Hashable]:
+        """New key objects for ``names``, of this run's kind."""
+        if self.kind == "strings":
+            return list(names)
+        make = KEY_KINDS[self.kind]
+        return [make(self.rng, n) for n in names]
 
-def store_process(w: World, keys: list[Hashable]) -> Generator[object, None, None]:
+
+def store_process(w: World, names: list[str]) -> Generator[object, None, None]:
     """A store, step by step, as tiers/storage.py runs it; cancellable at every yield."""
-    r = w.ix.reserve(keys)
+    r = w.ix.reserve(w.keys(names))
     published = 0
     w.version += 1
-    tags = {e.key: (e.key, w.version) for e in r.entries}
+    tags = {name_of(e.key): (name_of(e.key), w.version) for e in r.entries}
     try:
         for s in r.spills:
             yield "spill"
             FIGURES["spill writes"] += 1
-            victim_tag = w.tag.get(s.victim.key) if s.victim.state is State.SPILLING else None
+            victim_tag = w.tag.get(name_of(s.victim.key)) if s.victim.state is State.SPILLING else None
             if victim_tag is not None:  # nobody overwrote the victim's host copy while it was written out
                 assert w.mem[HOST][s.host_slot] == victim_tag, (s.victim.key, w.mem[HOST][s.host_slot], victim_tag)
             if w.rng.random() < 0.05:
@@ -230,21 +271,21 @@ def store_process(w: World, keys: list[Hashable]) -> Generator[object, None, Non
                 yield b
         for e in r.entries:
             yield "chunk"
-            w.mem[e.tier][e.slot] = tags[e.key]
+            w.mem[e.tier][e.slot] = tags[name_of(e.key)]
             w.ix.publish([e])
             published += 1
             if e.state is State.READY:
-                w.tag[e.key] = tags[e.key]
+                w.tag[name_of(e.key)] = tags[name_of(e.key)]
     finally:
         for s in r.spills:
             w.ix.spill_failed(s)
         w.ix.abort(r.entries[published:])
 
 
-def load_process(w: World, keys: list[Hashable]) -> Generator[object, None, None]:
+def load_process(w: World, names: list[str]) -> Generator[object, None, None]:
     """A load: pin, read each pinned slot at a later step and check it still holds the pinned bytes."""
-    pins: list[Pin] = w.ix.pin(keys)
-    expected = [w.tag[p.entry.key] for p in pins]
+    pins: list[Pin] = w.ix.pin(w.keys(names))
+    expected = [w.tag[name_of(p.entry.key)] for p in pins]
     try:
         for p, want in zip(pins, expected):
             yield "read"
@@ -257,22 +298,27 @@ def load_process(w: World, keys: list[Hashable]) -> Generator[object, None, None
 
 def check_world(w: World) -> None:
     w.ix.check()
-    visible = {k for k in KEYS if k in w.ix}
+    entries = {name_of(e.key): e for e in w.ix._entries.values()}
+    visible = {k for k, e in entries.items() if e.state in (State.READY, State.SPILLING)}
+    # `key in index` agrees, asked with new key objects: of every key, or of one at random (keys with
+    # methods of their own take the slower path: compared outside the lock).
+    for k in KEYS if w.kind == "strings" else [w.rng.choice(KEYS)]:
+        assert (w.keys([k])[0] in w.ix) == (k in visible), k
     assert visible <= set(w.tag), f"keys visible that were never published: {visible - set(w.tag)}"
     for k in set(w.tag) - visible:  # evicted (counted below)
         del w.tag[k]
         w.evicted_seen += 1
     assert w.evicted_seen == w.ix.evicted, (w.evicted_seen, w.ix.evicted)
     for k in visible:
-        e = w.ix._entries[k]
+        e = entries[k]
         assert w.mem[e.tier][e.slot] == w.tag[k], f"{k!r} in {('host', 'disk')[e.tier]} slot {e.slot} holds {w.mem[e.tier][e.slot]!r}"
     c = w.ix.counts()
     assert c["host_free"] + c["host_ready"] <= HOST_SLOTS and c["disk_free"] + c["disk_ready"] <= DISK_SLOTS, c
 
 
-def run_interleaving(seed: int, steps: int) -> int:
+def run_interleaving(seed: int, steps: int, kind: str) -> int:
     rng = random.Random(seed)
-    w = World(BlockIndex(HOST_SLOTS, DISK_SLOTS), rng)
+    w = World(BlockIndex(HOST_SLOTS, DISK_SLOTS), rng, kind)
     procs: list[tuple[str, Generator[object, None, None], object]] = []
     done = 0
     while done < steps:
@@ -286,7 +332,7 @@ def run_interleaving(seed: int, steps: int) -> int:
                 if at is not None:
                     procs.append(("store", g, at))
             elif op < 0.24 and len(procs) < 8:
-                visible = [k for k in KEYS if k in w.ix]
+                visible = [k for k in KEYS if w.keys([k])[0] in w.ix]
                 if visible:
                     keys = rng.sample(visible, rng.randint(1, min(3, len(visible))))
                     w.log(f"load {keys}")
@@ -294,7 +340,7 @@ def run_interleaving(seed: int, steps: int) -> int:
                     procs.append(("load", g, next(g)))
             elif op < 0.32:
                 keys = rng.sample(KEYS, rng.randint(1, 2))
-                n = w.ix.discard(keys)
+                n = w.ix.discard(w.keys(keys))
                 for k in keys:
                     w.tag.pop(k, None)
                 FIGURES["discards"] += n
@@ -340,12 +386,14 @@ def run_interleaving(seed: int, steps: int) -> int:
 def test_interleavings_keep_every_slot_owned_once():
     started = time.perf_counter()
     total, seed = 0, 0
+    kinds = ["strings", "own methods", "strings", "mixed"]  # half of the runs on the fast path, as most keys take
     while total < STEPS:
-        total += run_interleaving(seed, 2000)
+        total += run_interleaving(seed, 2000, kinds[seed % len(kinds)])
         seed += 1
     f = FIGURES
     report_figure(
-        f"test_slot_states: {total} interleaved steps in {seed} runs ({time.perf_counter() - started:.1f} s): "
+        f"test_slot_states: {total} interleaved steps in {seed} runs ({time.perf_counter() - started:.1f} s; "
+        f"keys: {', '.join(kinds)}, in turn): "
         f"{f['stores completed']} stores and {f['loads completed']} loads completed, "
         f"{f['stores cancelled']} stores and {f['loads cancelled']} loads cancelled mid-way, {f['discards']} keys discarded, "
         f"{f['spill writes']} spill writes ({f['spill failures']} failed), {f['heir waits']} heirs waited for a reader, "

@@ -2,7 +2,28 @@
 
 Thread-safe: the facade reserves and pins from the caller's thread, the worker
 loops publish, spill and release from theirs. One lock guards everything; no IO,
-no copy and no caller code (iterables, callbacks) ever runs under it.
+no copy and no caller code (iterables, callbacks, the keys' own ``__hash__``,
+``__eq__`` and ``__repr__``) ever runs under it.
+
+Keys
+    A key of a *native* type (exactly ``bytes``, ``str``, ``int``, ``bool``,
+    ``float``, ``None``, or a tuple of native keys), whose hash and equality are
+    the interpreter's own, is its own index key: found by one dict lookup, the
+    fast path. Any other key may run arbitrary code when hashed or compared (and
+    call back into the offloader, from this thread or another), so the index
+    never hashes or compares it under the lock. Its hash is taken before the
+    lock (:class:`_KeyBatch`); in the index it stands under a :class:`_StandIn`
+    that carries that hash and equals only itself. Which entry it belongs to is
+    decided by comparing it, outside the lock, with each index key stored under
+    its hash (:class:`_Probe`; under the lock, :class:`_HashMates` lists them):
+    the call takes the lock, and goes ahead only once every index key now under
+    that hash has been compared; otherwise it releases the lock, compares the
+    ones it has not, and tries again. So equal keys are one key whatever the
+    objects (a native key and an equal key of another type included: ``1`` and
+    an ``IntEnum`` member of value 1), a key discarded and stored again as
+    another object meanwhile is compared again, and of two stores of equal keys
+    racing each other exactly one reserves it. A key's ``__hash__`` or
+    ``__eq__`` that raises fails the call before anything is changed.
 
 Entries
     Each key present has one :class:`Entry` in exactly one :class:`State`::
@@ -34,6 +55,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import TypeVar
 
 from .errors import CapacityError, MissingKeysError
 
@@ -57,6 +80,9 @@ class Entry:
     """One key's block: its state, and the tier and slot where loads find it."""
 
     key: Hashable
+    """The caller's key, as the store that made the entry passed it."""
+    index_key: Hashable
+    """What the index's dicts hold it under: ``key`` itself if native, else its :class:`_StandIn`."""
     state: State
     tier: int
     slot: int
@@ -103,7 +129,7 @@ class _Tier:
     readers: list[int] = field(init=False)
     free: list[int] = field(init=False)
     lru: OrderedDict[Hashable, Entry] = field(default_factory=OrderedDict)
-    """READY and SPILLING entries whose current copy is in this tier, least recently used first."""
+    """READY and SPILLING entries whose current copy is in this tier, least recently used first (by index key)."""
 
     def __post_init__(self) -> None:
         self.owner = [None] * self.size
@@ -127,12 +153,128 @@ class _Tier:
             e.slot = slot
 
 
+# -- keys -------------------------------------------------------------------------
+
+_NATIVE_TYPES = frozenset({bytes, str, int, bool, float, type(None)})
+_TUPLE_ONLY = frozenset({tuple})
+
+
+def _native(key: object) -> bool:
+    """True when hashing and comparing ``key`` runs the interpreter's own code only: a key of an
+    exact native type, or a tuple of such keys (subclasses may define their own methods)."""
+    if type(key) in _NATIVE_TYPES:
+        return True
+    return type(key) is tuple and (_NATIVE_TYPES.issuperset(map(type, key)) or all(map(_native, key)))
+
+
+def _all_native(keys: list[Hashable]) -> bool:
+    """:func:`_native` of every key, the common cases (all bytes, say; all tuples of bytes and ints) at C speed."""
+    if _NATIVE_TYPES.issuperset(map(type, keys)):
+        return True
+    if len(keys) > 1 and _TUPLE_ONLY.issuperset(map(type, keys)):
+        if _NATIVE_TYPES.issuperset(map(type, chain.from_iterable(keys))):  # type: ignore[arg-type]  # tuples
+            return True
+    return all(map(_native, keys))
+
+
+class _StandIn:
+    """The index key of a non-native key: the key and its hash, taken outside the lock. Hashes as the
+    key did and equals only itself, so the index's dicts never run the key's own methods."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: Hashable, key_hash: int) -> None:
+        self.key = key
+        self.hash = key_hash
+
+    def __hash__(self) -> int:
+        return self.hash
+
+
+class _HashMates:
+    """Lists the keys a dict holds under one hash, running none of their code: a dict lookup of it
+    compares it with each of them; their ``__eq__`` (the interpreter's, for native keys and stand-ins)
+    declines an object of another type, so the dict asks this one's, which records the key and says no."""
+
+    __slots__ = ("hash", "found")
+
+    def __init__(self, key_hash: int) -> None:
+        self.hash = key_hash
+        self.found: list[Hashable] = []
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        self.found.append(other)  # a dict key
+        return False
+
+
+class _Probe:
+    """A key being matched with the index keys stored under its hash, outside the lock.
+
+    Under the lock, :meth:`BlockIndex._settle` lists the index keys not yet compared (``pending``);
+    outside it, :meth:`compare` compares them (the caller's ``__eq__`` runs there). ``known`` remembers
+    each comparison by the index key's identity, so a key discarded and stored again as another object
+    is compared again. ``native``: a native key that may equal a non-native one stored under its hash.
+    """
+
+    __slots__ = ("key", "hash", "native", "known", "pending")
+
+    def __init__(self, key: Hashable, key_hash: int, native: bool = False) -> None:
+        self.key = key
+        self.hash = key_hash
+        self.native = native
+        self.known: dict[int, tuple[Hashable, bool]] = {}
+        """id(index key) -> (the index key, kept alive so that its id stays its own; equal to ``key``?)."""
+        self.pending: list[Hashable] = []
+
+    def compare(self) -> None:
+        """Outside the lock: compare ``key`` with the pending index keys, until one is equal."""
+        for c in self.pending:
+            stored = c.key if type(c) is _StandIn else c
+            equal = stored is self.key or bool(stored == self.key)
+            self.known[id(c)] = (c, equal)
+            if equal:
+                break
+        self.pending = []
+
+
+class _KeyBatch:
+    """The keys of one call, made ready outside the lock for matching under it.
+
+    ``items`` holds each native key as it is and each other key hashed into a :class:`_Probe`
+    (``TypeError`` for an unhashable one, before anything is done). ``unique``: equal keys share the
+    item of the first of them, so that one store's duplicates are told apart by identity under the
+    lock. ``native_probes``: probes the lock made for native keys that may equal a stand-in (by
+    position). ``up_to_invisible``: matching may stop at the first key found invisible (a lookup's prefix).
+    """
+
+    __slots__ = ("items", "native_probes", "up_to_invisible")
+
+    def __init__(self, keys: list[Hashable], unique: bool = False, up_to_invisible: bool = False) -> None:
+        self.up_to_invisible = up_to_invisible
+        self.native_probes: dict[int, _Probe] = {}
+        self.items: list[Hashable] = [k if _native(k) else _Probe(k, hash(k)) for k in keys]
+        if unique:
+            first: dict[Hashable, Hashable] = {}
+            self.items = [first.setdefault(k, item) for k, item in zip(keys, self.items)]
+
+
+_VISIBLE = (State.READY, State.SPILLING)
+
+R = TypeVar("R")
+
+
 class BlockIndex:
     """One index over the host and disk tiers."""
 
     def __init__(self, host_slots: int, disk_slots: int) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, Entry] = {}
+        """Index key -> entry, for every entry but GONE ones."""
+        self._stand_ins = 0
+        """How many index keys are :class:`_StandIn` (while none is, a native key is found by its own lookup)."""
         self._tiers = (_Tier(host_slots), _Tier(disk_slots))
         self._unread_waiters: dict[int, list[Callable[[], object]]] = {}
         """Host slot -> callbacks to run once it has no readers (heirs waiting to write)."""
@@ -150,21 +292,117 @@ class BlockIndex:
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """How many leading keys are visible (in any tier)."""
         keys = list(keys)  # the caller's iterable runs here, not under the lock
+        if _all_native(keys):
+            with self._lock:
+                if not self._stand_ins:  # the common case: each key found by its own lookup, up to the first miss
+                    entries, n = self._entries, 0
+                    for key in keys:
+                        e = entries.get(key)
+                        if e is None or e.state not in _VISIBLE:
+                            break
+                        n += 1
+                    return n
+        return self._under_lock(keys, lambda items, found: self._visible_prefix(found), up_to_invisible=True)
+
+    def _visible_prefix(self, found: list[Entry | None]) -> int:
         n = 0
-        with self._lock:
-            for key in keys:
-                if not self._visible(self._entries.get(key)):
-                    break
-                n += 1
+        for e in found:
+            if not self._visible(e):
+                break
+            n += 1
         return n
 
     def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return self._visible(self._entries.get(key))
+        if type(key) in _NATIVE_TYPES or _native(key):
+            with self._lock:
+                if not self._stand_ins:
+                    e = self._entries.get(key)
+                    return e is not None and e.state in _VISIBLE
+        return self._under_lock([key], lambda items, found: self._visible(found[0]))
 
     @staticmethod
     def _visible(e: Entry | None) -> bool:
-        return e is not None and e.state in (State.READY, State.SPILLING)
+        return e is not None and e.state in _VISIBLE
+
+    # -- finding keys (under the lock, running no key's code) ------------------------
+
+    def _under_lock(
+        self, keys: list[Hashable], act: Callable[[list[Hashable], list[Entry | None]], R], unique: bool = False,
+        up_to_invisible: bool = False,
+    ) -> R:
+        """``act(items, entries)`` under the lock: ``entries`` those of ``keys`` (None: not in the index),
+        ``items`` the keys as matched (``keys`` itself, or their :class:`_KeyBatch` items).
+
+        Finding the entries may need comparisons with index keys, which run the keys' ``__eq__``: then
+        the lock is released, the probes compare, and the lock is taken again to find them anew.
+        """
+        if _all_native(keys):
+            with self._lock:
+                if not self._stand_ins:  # the common case: every key found by its own lookup
+                    return act(keys, [self._entries.get(k) for k in keys])
+        batch = _KeyBatch(keys, unique, up_to_invisible)
+        while True:
+            with self._lock:
+                found, unsettled = self._resolve(batch)
+                if not unsettled:
+                    return act(batch.items, found)
+            for p in unsettled:
+                p.compare()
+
+    def _resolve(self, batch: _KeyBatch) -> tuple[list[Entry | None], list[_Probe]]:
+        """The entry of each key (None: not in the index), and the probes that must compare first;
+        the entries stand only when no probe is returned."""
+        found: list[Entry | None] = []
+        unsettled: list[_Probe] = []
+        for i in range(len(batch.items)):
+            r = self._find(batch, i)
+            if isinstance(r, _Probe):
+                unsettled.append(r)
+                found.append(None)
+                continue
+            found.append(r)
+            if batch.up_to_invisible and not self._visible(r):
+                break
+        return found, unsettled
+
+    def _find(self, batch: _KeyBatch, i: int) -> Entry | None | _Probe:
+        """The entry of the batch's key ``i``, None, or the probe that must compare first. A native key
+        not in the index that may equal a stand-in under its hash gets a probe (``native_probes``)."""
+        item = batch.items[i]
+        if type(item) is _Probe:
+            return self._settle(item)
+        e = self._entries.get(item)
+        if e is not None or not self._stand_ins:
+            return e
+        p = batch.native_probes.get(i)
+        if p is None:
+            key_hash = hash(item)
+            if not any(type(c) is _StandIn for c in self._hash_mates(key_hash)):
+                return None
+            p = batch.native_probes[i] = _Probe(item, key_hash, native=True)
+        return self._settle(p)
+
+    def _settle(self, p: _Probe) -> Entry | None | _Probe:
+        """The entry of ``p``'s key or None if every index key under its hash was compared; else ``p``,
+        its ``pending`` listing those still to compare (a native key's: the stand-ins only; :meth:`_find`
+        looked it up among the native ones)."""
+        p.pending = []
+        for c in self._hash_mates(p.hash):
+            if p.native and type(c) is not _StandIn:
+                continue
+            known = p.known.get(id(c))
+            if known is None:
+                p.pending.append(c)
+            elif known[1]:
+                p.pending = []
+                return self._entries[c]
+        return p if p.pending else None
+
+    def _hash_mates(self, key_hash: int) -> list[Hashable]:
+        """Every index key stored under ``key_hash``."""
+        mates = _HashMates(key_hash)
+        self._entries.get(mates)
+        return mates.found
 
     def counts(self) -> dict[str, int]:
         """Snapshot of slot use per tier and of entry states."""
@@ -201,13 +439,17 @@ class BlockIndex:
                         assert tier.owner[s] is not None or tier.readers[s], f"{TIER_NAMES[t]} slot {s} is lost"
                 for key, e in tier.lru.items():
                     assert self._entries.get(key) is e and e.tier == t and e.state in (State.READY, State.SPILLING)
-                    assert tier.owner[e.slot] is e, f"{key!r} reads {TIER_NAMES[t]} slot {e.slot} it does not own"
+                    assert tier.owner[e.slot] is e, f"an entry reads {TIER_NAMES[t]} slot {e.slot} it does not own"
+            stand_ins = 0
             for key, e in self._entries.items():
-                assert e.key == key and e.state is not State.GONE
+                assert e.index_key is key and e.state is not State.GONE
+                assert key is e.key or (type(key) is _StandIn and key.key is e.key and not _native(e.key))
+                stand_ins += type(key) is _StandIn
                 if e.state is State.PENDING:
                     assert key not in self._tiers[e.tier].lru
                 else:
                     assert key in self._tiers[e.tier].lru
+            assert stand_ins == self._stand_ins, (stand_ins, self._stand_ins)
 
     # -- store side ---------------------------------------------------------------
 
@@ -221,46 +463,70 @@ class BlockIndex:
         with nothing reserved, spilled or evicted, when too few slots can be had.
         """
         keys = list(keys)
-        with self._lock:
-            new_keys: list[Hashable] = []
-            skipped: list[Hashable] = []
-            seen: set[Hashable] = set()
+        if _all_native(keys):
+            with self._lock:
+                if not self._stand_ins:  # the common case: each key found by its own lookup
+                    return self._reserve(keys, keys, None)
+        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found), unique=True)
+
+    def _reserve(self, keys: list[Hashable], items: list[Hashable], found: list[Entry | None] | None) -> Reservation:
+        """:meth:`reserve`, under the lock: ``found`` the entry of each key (None: every key is native and
+        its own index key, and the index holds no stand-in)."""
+        new_keys: list[Hashable] = []
+        index_keys = new_keys
+        skipped: list[Hashable] = []
+        seen: set[Hashable] = set()
+        if found is None:
+            present = self._entries
             for key in keys:
-                if key in self._entries or key in seen:
+                if key in present or key in seen:
                     skipped.append(key)
                 else:
                     seen.add(key)
                     new_keys.append(key)
-            t = self.store_tier
-            tier = self._tiers[t]
-            shortfall = len(new_keys) - len(tier.free)
-            victims: list[Entry] = []
-            if shortfall > 0:
-                victims = self._evictable(t, shortfall)
-                if len(victims) < shortfall:
-                    raise CapacityError(
-                        f"need {len(new_keys)} free {TIER_NAMES[t]} slots: {len(tier.free)} free and only "
-                        f"{len(victims)} evictable of {tier.size}; the rest are in use by running transfers"
-                    )
-            to_spill: list[tuple[Entry, int]] = []
-            for v in victims:
-                disk_slot = self._disk_slot_for_spill(v) if t == HOST else None
-                if disk_slot is None:
-                    self._evict(v)
+        else:
+            index_keys = []
+            for key, item, e in zip(keys, items, found):
+                if e is not None or item in seen:
+                    skipped.append(key)
                 else:
-                    to_spill.append((v, disk_slot))
-            # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
-            entries = [Entry(key, State.PENDING, t, -1) for key in new_keys]
-            n_free = len(entries) - len(to_spill)
-            tier.take_in_order(entries[:n_free])
-            spills = []
-            for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
-                v.state = State.SPILLING
-                e.slot = v.slot  # owned by the victim until its bytes are on disk
-                spills.append(Spill(v, e, v.slot, disk_slot))
-            for e in entries:
-                self._entries[e.key] = e
-            return Reservation(entries, skipped, spills)
+                    seen.add(item)
+                    new_keys.append(key)
+                    index_keys.append(item)
+        t = self.store_tier
+        tier = self._tiers[t]
+        shortfall = len(new_keys) - len(tier.free)
+        victims: list[Entry] = []
+        if shortfall > 0:
+            victims = self._evictable(t, shortfall)
+            if len(victims) < shortfall:
+                raise CapacityError(
+                    f"need {len(new_keys)} free {TIER_NAMES[t]} slots: {len(tier.free)} free and only "
+                    f"{len(victims)} evictable of {tier.size}; the rest are in use by running transfers"
+                )
+        to_spill: list[tuple[Entry, int]] = []
+        for v in victims:
+            disk_slot = self._disk_slot_for_spill(v) if t == HOST else None
+            if disk_slot is None:
+                self._evict(v)
+            else:
+                to_spill.append((v, disk_slot))
+        # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
+        if found is not None:  # a key with methods of its own goes under a stand-in
+            index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
+        pending = State.PENDING  # an enum member costs a descriptor call per use: once here
+        entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
+        n_free = len(entries) - len(to_spill)
+        tier.take_in_order(entries[:n_free])
+        spills = []
+        for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
+            v.state = State.SPILLING
+            e.slot = v.slot  # owned by the victim until its bytes are on disk
+            spills.append(Spill(v, e, v.slot, disk_slot))
+        self._entries.update(zip(index_keys, entries))
+        if found is not None:
+            self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
+        return Reservation(entries, skipped, spills)
 
     def _evictable(self, t: int, n: int) -> list[Entry]:
         out: list[Entry] = []
@@ -297,9 +563,9 @@ class BlockIndex:
             v, host, disk = spill.victim, self._tiers[HOST], self._tiers[DISK]
             self.spilled += 1
             if v.state is State.SPILLING:
-                host.lru.pop(v.key)
+                host.lru.pop(v.index_key)
                 v.state, v.tier, v.slot = State.READY, DISK, spill.disk_slot
-                disk.lru[v.key] = v
+                disk.lru[v.index_key] = v
             else:  # discarded while its bytes were written: the disk copy is not needed
                 self._release(DISK, spill.disk_slot, v)
             assert host.owner[spill.host_slot] is v
@@ -332,7 +598,7 @@ class BlockIndex:
             for e in entries:
                 if e.state is State.PENDING:
                     e.state = State.READY
-                    self._tiers[e.tier].lru[e.key] = e
+                    self._tiers[e.tier].lru[e.index_key] = e
                 else:  # discarded while its store ran
                     self._release(e.tier, e.slot, e)
 
@@ -355,20 +621,26 @@ class BlockIndex:
 
         Raises :class:`MissingKeysError`, pinning nothing, if any key is not visible.
         """
-        with self._lock:
-            found = [self._entries.get(k) for k in keys]
-            missing = [k for k, e in zip(keys, found) if not self._visible(e)]
-            if missing:
-                raise MissingKeysError(missing)
-            pins = []
-            for e in found:
-                assert e is not None
-                tier = self._tiers[e.tier]
-                tier.readers[e.slot] += 1
-                e.loads += 1
-                tier.lru.move_to_end(e.key)
-                pins.append(Pin(e, e.tier, e.slot))
-            return pins
+        keys = list(keys)
+        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found))
+        if missing:
+            raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
+        return pins
+
+    def _pin(self, keys: list[Hashable], found: list[Entry | None]) -> tuple[list[Pin], list[Hashable]]:
+        """:meth:`pin`, under the lock: the pins, or nothing pinned and the keys not visible."""
+        missing = [k for k, e in zip(keys, found) if not self._visible(e)]
+        if missing:
+            return [], missing
+        pins = []
+        for e in found:
+            assert e is not None
+            tier = self._tiers[e.tier]
+            tier.readers[e.slot] += 1
+            e.loads += 1
+            tier.lru.move_to_end(e.index_key)
+            pins.append(Pin(e, e.tier, e.slot))
+        return pins, missing
 
     def unpin(self, pins: Iterable[Pin]) -> None:
         """Release pins taken by :meth:`pin`."""
@@ -393,26 +665,29 @@ class BlockIndex:
         A READY entry's slot is released at once (freed when no load reads it);
         a PENDING or SPILLING entry's slots are released when its store ends.
         """
-        keys = list(keys)
-        for key in keys:
-            hash(key)  # TypeError for an unhashable key before anything is forgotten
+        # an unhashable key raises TypeError in _KeyBatch, before anything is forgotten
+        return self._under_lock(list(keys), lambda items, found: self._discard(found))
+
+    def _discard(self, found: list[Entry | None]) -> int:
+        """:meth:`discard`, under the lock."""
         n = 0
-        with self._lock:
-            for key in keys:
-                e = self._entries.get(key)
-                if e is None:
-                    continue
-                n += 1
-                state = e.state
-                self._forget(e)
-                if state is State.READY:
-                    self._release(e.tier, e.slot, e)
+        gone, ready = State.GONE, State.READY  # an enum member costs a descriptor call per use: once here
+        for e in found:
+            if e is None or e.state is gone:  # absent, or named twice
+                continue
+            n += 1
+            state = e.state
+            self._forget(e)
+            if state is ready:
+                self._release(e.tier, e.slot, e)
         return n
 
     def _forget(self, e: Entry) -> None:
         """Take ``e`` out of the index: -> GONE."""
-        del self._entries[e.key]
-        self._tiers[e.tier].lru.pop(e.key, None)
+        del self._entries[e.index_key]
+        self._tiers[e.tier].lru.pop(e.index_key, None)
+        if type(e.index_key) is _StandIn:
+            self._stand_ins -= 1
         e.state = State.GONE
 
     def _release(self, t: int, slot: int, owner: Entry | None) -> None:
