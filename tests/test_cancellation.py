@@ -180,7 +180,7 @@ class _Steps:
 def _worker_with_flag(flag: StandInFlag):
     import torch
 
-    from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, QuickJob
+    from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, HandOver, QuickJob
     from kvoffload._core.cuda.events import make_bridge
     from kvoffload._core.transfer import Transfer
     from kvoffload._core.worker_loop import WorkerLoop
@@ -192,8 +192,9 @@ def _worker_with_flag(flag: StandInFlag):
     requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
     steps = _Steps()
     transfer = Transfer("load")
-    enqueued = worker.enqueue(requests, None)
-    worker.start_quick(QuickJob(transfer, steps, lambda *a: None, enqueued=enqueued))
+    hand_over = HandOver()
+    enqueued = worker.enqueue(requests, None, hand_over)
+    worker.start_quick(QuickJob(transfer, hand_over, steps, lambda *a: None, enqueued=enqueued))
     return loop, copier, steps, transfer
 
 

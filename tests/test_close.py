@@ -24,10 +24,10 @@ def stalled_store(monkeypatch):
     inside, release = threading.Event(), threading.Event()
     real = TieredStorage.start_store
 
-    def start_store(self, transfer, plan, after):
+    def start_store(self, *args):
         inside.set()
         release.wait(BOUND_S)
-        return real(self, transfer, plan, after)
+        return real(self, *args)
 
     monkeypatch.setattr(TieredStorage, "start_store", start_store)
     return inside, release

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 import kvoffload
+import kvoffload._core.copy_worker
 from conftest import HANG_S, StandInCopier, StandInEvent, StandInFlag, spin_until
 
 
@@ -78,15 +79,16 @@ class _Rig:
         return [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
 
     def start(self, chunks: int = 3):
-        from kvoffload._core.copy_worker import QuickJob
+        from kvoffload._core.copy_worker import HandOver, QuickJob
         from kvoffload._core.transfer import Transfer
 
         requests = self.requests(chunks)
         steps = _PublishingSteps()
         transfer = Transfer("store")
         first = len(self.copier.events)
-        enqueued = self.worker.enqueue(requests, None)
-        self.worker.start_quick(QuickJob(transfer, steps, steps.ended, enqueued=enqueued))
+        hand_over = HandOver()
+        enqueued = self.worker.enqueue(requests, None, hand_over)
+        self.worker.start_quick(QuickJob(transfer, hand_over, steps, steps.ended, enqueued=enqueued))
         return transfer, steps, self.copier.events[first:]
 
     def result_landing_once_asleep(self, transfer, events, asleep: threading.Event):
@@ -355,7 +357,7 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
         requests, submitted, after = rig.requests(3), 0, object()
     lander = _land_once_settled(rig.copier, submitted) if submitted else None
     with pytest.raises(KeyboardInterrupt):
-        rig.worker.enqueue(requests, after)
+        rig.worker.enqueue(requests, after, kvoffload._core.copy_worker.HandOver())
     complete_when_raised = [e.query() for e in rig.copier.events]
     flag_back_when_raised = rig.copier.flag.released.is_set()
     if lander is not None:
@@ -367,15 +369,16 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
 @pytest.mark.parametrize("worker_took_it", [False, True], ids=["before-the-worker-took-it", "after"])
 @pytest.mark.parametrize("path", ["quick", "task"])
 def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, monkeypatch, path, worker_took_it):
-    """An interrupt in ``start_quick``/``start_task`` after the job was posted: the transfer either comes
-    back (its copies completed, its flag back) and ``abandon`` ends it, or stays with the worker, which
-    ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
-    from kvoffload._core.copy_worker import QuickJob
+    """An interrupt in ``start_quick``/``start_task`` after the job was posted: ``abandon`` either takes
+    the transfer back (its copies completed, its flag back) and ends it, or leaves it to the worker,
+    which ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
+    from kvoffload._core.copy_worker import HandOver, QuickJob
     from kvoffload._core.transfer import Transfer
 
     steps = _PublishingSteps()
     transfer = Transfer("load")
-    job = QuickJob(transfer, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None)) if path == "quick" else None
+    hand_over = HandOver()
+    job = QuickJob(transfer, hand_over, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
 
     def taken() -> bool:
         """The worker has the job (it arrived), or made the task (which installs a canceller)."""
@@ -408,13 +411,13 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
             if job is not None:
                 rig.worker.start_quick(job)
             else:
-                rig.worker.start_task(transfer, run_forever, steps.cleanup, steps.ended)
+                rig.worker.start_task(transfer, hand_over, run_forever, steps.cleanup, steps.ended)
     finally:
         monkeypatch.setattr(rig.loop, "mailbox", real_box)
+    rig.worker.abandon(hand_over, transfer, steps, steps.ended)
     if path == "quick" and not worker_took_it:
-        assert all(e.query() for e in rig.copier.events), "the interrupt propagated with copies still running"
+        assert all(e.query() for e in rig.copier.events), "abandon returned with copies still running"
         assert rig.copier.flag.released.is_set()
-    rig.worker.abandon(transfer, steps, steps.ended)
     if lander is not None:
         lander.join()
     for e in rig.copier.events:
@@ -424,7 +427,7 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
     rig.let_go()
     rig.hold()  # the worker has taken what was posted
     if job is not None:
-        spin_until(lambda: job.ended, what="the job ended")
+        spin_until(lambda: job.ended or hand_over.withdrawn, what="the job ended or came back")
     else:
         spin_until(lambda: not rig.loop._tasks, what="the worker's task for the transfer ended")
     rig.hold()  # and whatever the worker does at a job's or task's end is over

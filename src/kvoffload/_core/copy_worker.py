@@ -51,7 +51,7 @@ from .foreign import ForeignCallError, call_foreign
 from .transfer import Transfer, TransferResult
 from .worker_loop import EndHook, WorkerLoop
 
-__all__ = ["CopyWorker", "CopyWorkers", "CopyRequest", "CopyCalls", "Enqueued", "JobSteps", "QuickJob", "as_transfer_error"]
+__all__ = ["CopyWorker", "CopyWorkers", "CopyRequest", "CopyCalls", "Enqueued", "HandOver", "JobSteps", "QuickJob", "as_transfer_error"]
 
 log = logging.getLogger("kvoffload")
 
@@ -165,13 +165,14 @@ class QuickJob:
     transfer is finished.
     """
 
-    __slots__ = ("transfer", "steps", "on_end", "requests", "enqueued", "next_landing", "ended", "sleepers")
+    __slots__ = ("transfer", "hand_over", "steps", "on_end", "requests", "enqueued", "next_landing", "ended", "sleepers")
 
     def __init__(
-        self, transfer: Transfer, steps: JobSteps, on_end: EndHook, *,
+        self, transfer: Transfer, hand_over: HandOver, steps: JobSteps, on_end: EndHook, *,
         requests: list[CopyRequest] | None = None, enqueued: Enqueued | None = None,
     ) -> None:
         self.transfer = transfer
+        self.hand_over = hand_over
         self.steps = steps
         self.on_end = on_end
         self.requests = requests
@@ -217,7 +218,7 @@ class CopyWorker:
 
     # -- submission at call time (callers' threads) ------------------------------------------
 
-    def enqueue(self, requests: Sequence[CopyRequest], after: Any) -> Enqueued:
+    def enqueue(self, requests: Sequence[CopyRequest], after: Any, hand_over: HandOver) -> Enqueued:
         """Submit every request now, in the calling thread, after ``after`` (an event, or None).
 
         For GPU caches this only enqueues work on the copier's streams, so the
@@ -226,12 +227,14 @@ class CopyWorker:
         (``Enqueued.error``: it fails the transfer, as anything the copier raises does).
         A load of several chunks gets a cancel flag (:meth:`_stop_early`).
 
-        On a ``BaseException`` raised around the copier's calls (a signal handler's
-        ``KeyboardInterrupt``, say): waits until the copies submitted by then have completed and
-        gives the cancel flag back, then re-raises; the caller may then free the slots.
+        The copies are recorded in ``hand_over`` as they are submitted. On a ``BaseException``
+        raised around the copier's calls (a signal handler's ``KeyboardInterrupt``, say): waits until
+        the copies submitted by then have completed and gives the cancel flag back, then re-raises;
+        the caller may then free the slots.
         """
-        flag = self.copier.take_cancel_flag() if self.kind == "load" and len(requests) > 1 else None
-        enqueued = Enqueued([], None, flag)
+        enqueued = hand_over.enqueued = Enqueued([], None)
+        if self.kind == "load" and len(requests) > 1:
+            enqueued.cancel_flag = self.copier.take_cancel_flag()
 
         def submit() -> None:
             for r in requests:
@@ -240,10 +243,13 @@ class CopyWorker:
         self._enqueue(enqueued, after, submit)
         return enqueued
 
-    def enqueue_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any) -> Enqueued:
+    def enqueue_by_tensor(
+        self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any, hand_over: HandOver,
+    ) -> Enqueued:
         """Like :meth:`enqueue` (``BaseException`` included) for a load with per-tensor completion (GPU
         copier only): one event per tensor, in ``kv_caches`` order."""
-        enqueued = Enqueued([], None, self.copier.take_cancel_flag())
+        enqueued = hand_over.enqueued = Enqueued([], None)
+        enqueued.cancel_flag = self.copier.take_cancel_flag()
 
         def submit() -> None:
             enqueued.events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids))  # type: ignore[attr-defined]
@@ -272,43 +278,25 @@ class CopyWorker:
     # -- quick transfers ------------------------------------------------------------------------
 
     def start_quick(self, job: QuickJob) -> None:
-        """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn.
+        """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn,
+        unless its :class:`HandOver` was withdrawn meanwhile (:meth:`abandon`)."""
+        if job.enqueued is not None:
+            job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
+            if job.enqueued.cancel_flag is not None:
+                job.transfer._set_canceller(functools.partial(self._stop_early, job))
+        self.loop.mailbox.post(self._arrive, job)  # the hand-over: last
 
-        On a ``BaseException`` (a signal handler's ``KeyboardInterrupt``; ``RuntimeError``: the worker
-        has stopped): unless the worker took the job already, withdraws it (the worker will never touch
-        it), waits until its copies have completed and gives its cancel flag back; if the worker took
-        it, cancels the transfer there. Then re-raises. :meth:`abandon` ends the transfer either way.
-        """
-        try:
-            if job.enqueued is not None:
-                job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
-                if job.enqueued.cancel_flag is not None:
-                    job.transfer._set_canceller(functools.partial(self._stop_early, job))
-            self.loop.mailbox.post(self._arrive, job)  # the hand-over: last
-        except BaseException:
-            self._withdraw(job)
-            raise
-
-    def _withdraw(self, job: QuickJob) -> None:
-        """Take back ``job``, whose hand-over was interrupted: see :meth:`start_quick`."""
-        with self._job_lock:
-            taken = job.ended or job in self._live
-            if not taken:
-                job.ended = True  # _arrive drops it
-        if taken:  # the worker ends it cancelled, once its copies have landed
-            job.transfer.cancel()
-        elif job.enqueued is not None:
-            job.enqueued.release()
-
-    def abandon(self, transfer: Transfer, steps: JobSteps, on_end: EndHook) -> None:
-        """End ``transfer`` cancelled after a ``BaseException`` interrupted its hand-over to this worker
-        (before, in or after :meth:`enqueue`, :meth:`start_quick` or :meth:`start_task`). Call from the
-        interrupted thread before re-raising. Here and now: ``steps.cleanup()`` (slots and pins go
-        back: the copies submitted have completed, as those calls promise), ``on_end``, the end;
-        unless the hand-over got through to the worker, which then ends it cancelled, once its copies
-        have landed (those calls cancelled it: nobody else holds the transfer yet)."""
-        if transfer._cancel_requested or transfer.done():
+    def abandon(self, hand_over: HandOver, transfer: Transfer, steps: JobSteps, on_end: EndHook) -> None:
+        """After an exception (a signal handler's ``KeyboardInterrupt``, say) cut short the hand-over of
+        ``transfer`` anywhere between the making of ``hand_over`` and the worker's taking it: if the
+        worker took it, cancel it (the worker ends it, once its copies have landed); else withdraw it
+        (no worker touches it) and end it cancelled here: its copies waited for, ``steps.cleanup()``
+        (slots and pins go back), ``on_end``, the end. Call from the interrupted thread, then re-raise."""
+        if not hand_over.withdraw():
+            transfer.cancel()
             return
+        if hand_over.enqueued is not None:
+            hand_over.enqueued.release()
         try:
             steps.cleanup()
         except BaseException:
@@ -440,6 +428,8 @@ class CopyWorker:
             self.loop.loop.call_later(1e-4, self._when_complete, event, job, then)
 
     def _arrive(self, job: QuickJob) -> None:
+        if not job.hand_over.take():  # withdrawn by its interrupted caller, who ends it
+            return
         with self._job_lock:
             if job.ended:  # finished by a thread that waited for it
                 return
@@ -649,17 +639,13 @@ class CopyWorker:
     # -- transfers run as tasks -------------------------------------------------------------------
 
     def start_task(
-        self, transfer: Transfer, run: Callable[[], Coroutine[Any, Any, TransferResult]], cleanup: Callable[[], Any], on_end: EndHook
+        self, transfer: Transfer, hand_over: HandOver, run: Callable[[], Coroutine[Any, Any, TransferResult]],
+        cleanup: Callable[[], Any], on_end: EndHook,
     ) -> None:
-        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`).
-
-        On a ``BaseException`` (a signal handler's ``KeyboardInterrupt``; ``RuntimeError``: the worker
-        has stopped): unless the worker made the task already, withdraws the transfer (no task runs
-        it, no ``cleanup`` nor ``on_end`` on the worker); if it did, cancels it there. Then re-raises.
-        :meth:`abandon` ends the transfer either way.
-        """
+        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`),
+        unless ``hand_over`` was withdrawn before the worker made the task (:meth:`abandon`): then
+        no task runs it, and neither ``cleanup`` nor ``on_end`` runs on the worker."""
         kind = self.kind
-        hand_over = _HandOver(self._job_lock)
 
         async def guarded() -> TransferResult:
             try:
@@ -684,12 +670,7 @@ class CopyWorker:
             if hand_over.taken:
                 on_end(t, result, exc, cancelled)
 
-        try:
-            self.loop.start_transfer(transfer, make, cleanup_if_taken, on_end=on_end_if_taken)
-        except BaseException:
-            if not hand_over.withdraw():  # the worker runs it: it ends it cancelled
-                transfer.cancel()
-            raise
+        self.loop.start_transfer(transfer, make, cleanup_if_taken, on_end=on_end_if_taken)
 
     async def copy(self, req: CopyRequest) -> Any:
         """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
@@ -773,26 +754,32 @@ class CopyWorker:
             raise
 
 
-class _HandOver:
-    """Who owns a transfer whose hand-over to a worker may be interrupted: the worker, once it
-    :meth:`take` s it, or the interrupted thread, once it :meth:`withdraw` s it; decided once."""
+_HAND_OVER_LOCK = threading.Lock()
 
-    __slots__ = ("_lock", "taken", "withdrawn")
 
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
+class HandOver:
+    """A transfer's way to its worker, which an interrupt (a signal handler's ``KeyboardInterrupt``)
+    may cut short anywhere. Made by the caller before it reserves anything; who owns the transfer is
+    decided once: the worker, when it :meth:`take` s it, or the interrupted caller, when it
+    :meth:`withdraw` s it (then :meth:`CopyWorker.abandon` ends it). Copies enqueued at call time are
+    recorded here (:attr:`enqueued`) as they are submitted, so that the owner can wait for them."""
+
+    __slots__ = ("taken", "withdrawn", "enqueued")
+
+    def __init__(self) -> None:
         self.taken = False
         self.withdrawn = False
+        self.enqueued: Enqueued | None = None
 
     def take(self) -> bool:
         """(The worker.) True: the transfer is the worker's; False: it was withdrawn."""
-        with self._lock:
+        with _HAND_OVER_LOCK:
             self.taken = not self.withdrawn
             return self.taken
 
     def withdraw(self) -> bool:
-        """(The interrupted thread.) True: the transfer is back; False: the worker has it."""
-        with self._lock:
+        """(The interrupted caller.) True: the transfer is back; False: the worker has it."""
+        with _HAND_OVER_LOCK:
             self.withdrawn = not self.taken
             return self.withdrawn
 

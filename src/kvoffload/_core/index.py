@@ -108,6 +108,8 @@ class Pin:
     entry: Entry
     tier: int
     slot: int
+    held: bool = False
+    """True once the slot's reader count includes this pin (set in the same step as the count)."""
 
 
 @dataclass
@@ -453,7 +455,7 @@ class BlockIndex:
 
     # -- store side ---------------------------------------------------------------
 
-    def reserve(self, keys: Iterable[Hashable]) -> Reservation:
+    def reserve(self, keys: Iterable[Hashable], into: Reservation | None = None) -> Reservation:
         """Reserve one slot in the store tier per new key, making room as needed.
 
         Keys already present (in any state but GONE) are skipped. Room comes
@@ -461,17 +463,24 @@ class BlockIndex:
         reads: spilled to disk when the store tier is host memory and the disk
         has (or can make) room, evicted otherwise. Raises :class:`CapacityError`,
         with nothing reserved, spilled or evicted, when too few slots can be had.
+
+        ``into`` (an empty reservation) is filled in place, in one step with the index's changes: a
+        caller that an interrupt (a signal handler's ``KeyboardInterrupt``) stops anywhere finds in it
+        exactly what it holds. An interrupt inside this call undoes what the call changed.
         """
         keys = list(keys)
+        r = Reservation([], [], []) if into is None else into
         if _all_native(keys):
             with self._lock:
                 if not self._stand_ins:  # the common case: each key found by its own lookup
-                    return self._reserve(keys, keys, None)
-        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found), unique=True)
+                    return self._reserve(keys, keys, None, r)
+        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found, r), unique=True)
 
-    def _reserve(self, keys: list[Hashable], items: list[Hashable], found: list[Entry | None] | None) -> Reservation:
+    def _reserve(
+        self, keys: list[Hashable], items: list[Hashable], found: list[Entry | None] | None, into: Reservation,
+    ) -> Reservation:
         """:meth:`reserve`, under the lock: ``found`` the entry of each key (None: every key is native and
-        its own index key, and the index holds no stand-in)."""
+        its own index key, and the index holds no stand-in); fills ``into``."""
         new_keys: list[Hashable] = []
         index_keys = new_keys
         skipped: list[Hashable] = []
@@ -504,29 +513,76 @@ class BlockIndex:
                     f"need {len(new_keys)} free {TIER_NAMES[t]} slots: {len(tier.free)} free and only "
                     f"{len(victims)} evictable of {tier.size}; the rest are in use by running transfers"
                 )
-        to_spill: list[tuple[Entry, int]] = []
+        # Everything above only looked; from here on the index changes, and an interrupt (a signal
+        # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
+        evicted: list[Entry] = []
+        entries: list[Entry] = []
+        try:
+            to_spill: list[tuple[Entry, int]] = []
+            for v in victims:
+                disk_slot = self._disk_slot_for_spill(v, evicted) if t == HOST else None
+                if disk_slot is None:
+                    evicted.append(v)
+                    self._evict(v)
+                else:
+                    to_spill.append((v, disk_slot))
+            # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
+            if found is not None:  # a key with methods of its own goes under a stand-in
+                index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
+            pending = State.PENDING  # an enum member costs a descriptor call per use: once here
+            entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
+            n_free = len(entries) - len(to_spill)
+            tier.take_in_order(entries[:n_free])
+            spills = []
+            for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
+                v.state = State.SPILLING
+                e.slot = v.slot  # owned by the victim until its bytes are on disk
+                spills.append(Spill(v, e, v.slot, disk_slot))
+            self._entries.update(zip(index_keys, entries))
+            if found is not None:
+                self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
+            into.entries, into.skipped, into.spills = entries, skipped, spills  # one step: no call between
+            return into
+        except BaseException:
+            self._undo_reserve(victims, evicted, entries)
+            raise
+
+    def _undo_reserve(self, victims: list[Entry], evicted: list[Entry], entries: list[Entry]) -> None:
+        """Under the lock, after an exception cut :meth:`_reserve` short: the new entries go, every victim
+        not evicted stays where it was, an eviction cut short completes; then the free lists are rebuilt
+        from slot ownership (the one truth here). Evictions that completed stay done."""
+        for e in entries:
+            e.state = State.GONE
+            self._unlist(e)
+            self._disown(e)
         for v in victims:
-            disk_slot = self._disk_slot_for_spill(v) if t == HOST else None
-            if disk_slot is None:
-                self._evict(v)
-            else:
-                to_spill.append((v, disk_slot))
-        # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
-        if found is not None:  # a key with methods of its own goes under a stand-in
-            index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
-        pending = State.PENDING  # an enum member costs a descriptor call per use: once here
-        entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
-        n_free = len(entries) - len(to_spill)
-        tier.take_in_order(entries[:n_free])
-        spills = []
-        for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
-            v.state = State.SPILLING
-            e.slot = v.slot  # owned by the victim until its bytes are on disk
-            spills.append(Spill(v, e, v.slot, disk_slot))
-        self._entries.update(zip(index_keys, entries))
-        if found is not None:
-            self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
-        return Reservation(entries, skipped, spills)
+            if v.state is State.SPILLING:
+                v.state = State.READY
+            if v.tier == HOST:  # a disk slot taken for its spill that never started
+                self._disown(v, DISK)
+        for v in evicted:
+            if v.state is State.GONE:  # its eviction may have been cut short in _forget or after it
+                self._unlist(v)
+                self._disown(v)
+        for tier in self._tiers:
+            tier.free = [s for s in range(tier.size - 1, -1, -1) if tier.owner[s] is None and not tier.readers[s]]
+
+    def _unlist(self, e: Entry) -> None:
+        """Take a GONE entry out of the index's dicts, wherever :meth:`_forget` left it (idempotent)."""
+        if self._entries.get(e.index_key) is e:
+            del self._entries[e.index_key]
+            self._stand_ins -= type(e.index_key) is _StandIn
+        for tier in self._tiers:
+            if tier.lru.get(e.index_key) is e:
+                del tier.lru[e.index_key]
+
+    def _disown(self, e: Entry, tier_index: int | None = None) -> None:
+        """Every slot ``e`` owns (in ``tier_index``, or both tiers) is owned by nobody. Rare paths only: scans."""
+        for t, tier in enumerate(self._tiers):
+            if tier_index is None or t == tier_index:
+                for s, owner in enumerate(tier.owner):
+                    if owner is e:
+                        tier.owner[s] = None
 
     def _evictable(self, t: int, n: int) -> list[Entry]:
         out: list[Entry] = []
@@ -538,12 +594,13 @@ class BlockIndex:
                 out.append(e)
         return out
 
-    def _disk_slot_for_spill(self, victim: Entry) -> int | None:
+    def _disk_slot_for_spill(self, victim: Entry, evicted: list[Entry]) -> int | None:
         disk = self._tiers[DISK]
         if not disk.free:
             old = self._evictable(DISK, 1)  # make room on disk by evicting its oldest entry
             if not old:
                 return None
+            evicted.append(old[0])
             self._evict(old[0])
         return disk.take(victim)
 
@@ -616,30 +673,42 @@ class BlockIndex:
 
     # -- load side ------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[Hashable]) -> list[Pin]:
+    def pin(self, keys: Sequence[Hashable], into: list[Pin] | None = None) -> list[Pin]:
         """Pin the current copy of each key for a load (each becomes most recently used).
 
-        Raises :class:`MissingKeysError`, pinning nothing, if any key is not visible.
+        Raises :class:`MissingKeysError`, pinning nothing, if any key is not visible. The pins are
+        appended to ``into`` as they are taken (:attr:`Pin.held`), so that a caller an interrupt stops
+        anywhere can give back exactly what it holds (:meth:`unpin` skips pins not held).
         """
         keys = list(keys)
-        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found))
+        out: list[Pin] = [] if into is None else into
+        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out))
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
         return pins
 
-    def _pin(self, keys: list[Hashable], found: list[Entry | None]) -> tuple[list[Pin], list[Hashable]]:
-        """:meth:`pin`, under the lock: the pins, or nothing pinned and the keys not visible."""
+    def _pin(self, keys: list[Hashable], found: list[Entry | None], pins: list[Pin]) -> tuple[list[Pin], list[Hashable]]:
+        """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not visible."""
         missing = [k for k, e in zip(keys, found) if not self._visible(e)]
         if missing:
-            return [], missing
-        pins = []
-        for e in found:
-            assert e is not None
-            tier = self._tiers[e.tier]
-            tier.readers[e.slot] += 1
-            e.loads += 1
-            tier.lru.move_to_end(e.index_key)
-            pins.append(Pin(e, e.tier, e.slot))
+            return pins, missing
+        try:
+            for e in found:
+                assert e is not None
+                tier = self._tiers[e.tier]
+                p = Pin(e, e.tier, e.slot)
+                pins.append(p)
+                tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
+                e.loads += 1
+                p.held = True
+                tier.lru.move_to_end(e.index_key)
+        except BaseException:  # an interrupt: give back what was pinned so far
+            for p in pins:
+                if p.held:
+                    p.held = False
+                    self._tiers[p.tier].readers[p.slot] -= 1
+                    p.entry.loads -= 1
+            raise
         return pins, missing
 
     def unpin(self, pins: Iterable[Pin]) -> None:
@@ -647,6 +716,9 @@ class BlockIndex:
         ready: list[Callable[[], object]] = []
         with self._lock:
             for p in pins:
+                if not p.held:
+                    continue
+                p.held = False
                 tier = self._tiers[p.tier]
                 tier.readers[p.slot] -= 1
                 p.entry.loads -= 1
@@ -672,23 +744,32 @@ class BlockIndex:
         """:meth:`discard`, under the lock."""
         n = 0
         gone, ready = State.GONE, State.READY  # an enum member costs a descriptor call per use: once here
-        for e in found:
-            if e is None or e.state is gone:  # absent, or named twice
-                continue
-            n += 1
-            state = e.state
-            self._forget(e)
-            if state is ready:
-                self._release(e.tier, e.slot, e)
+        forgotten: list[Entry] = []
+        try:
+            for e in found:
+                if e is None or e.state is gone:  # absent, or named twice
+                    continue
+                n += 1
+                if e.state is ready:
+                    forgotten.append(e)
+                self._forget(e)
+                if forgotten and forgotten[-1] is e:
+                    self._release(e.tier, e.slot, e)
+        except BaseException:  # an interrupt: the READY entries forgotten so far give their slots back
+            for e in forgotten:
+                if e.state is gone:
+                    self._unlist(e)
+                    self._release(e.tier, e.slot, e)
+            raise
         return n
 
     def _forget(self, e: Entry) -> None:
-        """Take ``e`` out of the index: -> GONE."""
-        del self._entries[e.index_key]
-        self._tiers[e.tier].lru.pop(e.index_key, None)
-        if type(e.index_key) is _StandIn:
-            self._stand_ins -= 1
+        """Take ``e`` out of the index: -> GONE (first, so that an interrupt between these steps leaves an
+        entry that is GONE, never one that looks alive without being in the index)."""
         e.state = State.GONE
+        del self._entries[e.index_key]
+        self._stand_ins -= e.index_key.__class__ is _StandIn  # no call between these two: one step
+        self._tiers[e.tier].lru.pop(e.index_key, None)
 
     def _release(self, t: int, slot: int, owner: Entry | None) -> None:
         """``owner`` lets go of ``slot`` (None: a reader let go); the slot is free once unowned and unread.

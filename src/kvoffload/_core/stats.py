@@ -6,9 +6,9 @@ import bisect
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
-from .transfer import TransferResult
+from .transfer import Transfer, TransferResult
 
 __all__ = ["OffloaderStats", "LatencyHistogram", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 
@@ -142,6 +142,10 @@ class _Histogram:
         return LatencyHistogram(LATENCY_BOUNDS, tuple(self.counts), self.sum, self.count)
 
 
+class _Counted(Protocol):
+    counted: bool
+
+
 class TransferCounters:
     """Transfers started and ended (by outcome, with latencies), and lookups; thread-safe."""
 
@@ -154,15 +158,19 @@ class TransferCounters:
         self._latency: dict[tuple[str, str], tuple[_Histogram, _Histogram, _Histogram]] = {}
         """(kind, outcome) -> histograms of the queue, copy and total phases."""
 
-    def started(self) -> None:
+    def started(self, plan: _Counted) -> None:
+        """Count ``plan``'s transfer in flight, and mark it counted in the same step (an interrupt
+        right after leaves both or neither)."""
         with self.lock:
             self.in_flight += 1
+            plan.counted = True
 
-    def ended_at_once(self, result: TransferResult) -> None:
-        """Count a transfer that had nothing to copy (every key skipped, or no key): done at the call."""
-        self.started()
+    def ended_at_once(self, result: TransferResult, transfer: Transfer) -> None:
+        """Count a transfer that had nothing to copy (every key skipped, or no key), never in flight,
+        and finish ``transfer`` done with ``result``."""
         now = time.perf_counter()
-        self.ended(result.kind, result, False, False, started=now, taken=now, now=now)
+        self.ended(result.kind, result, False, False, started=now, taken=now, now=now, counted=False)
+        transfer._finish(result=result)
 
     def looked_up(self, hits: int) -> None:
         with self.lock:
@@ -171,14 +179,15 @@ class TransferCounters:
 
     def ended(
         self, kind: Literal["store", "load"], result: TransferResult | None, failed: bool, cancelled: bool, *,
-        started: float, taken: float | None, now: float, partial_bytes: int = 0, from_disk: int = 0,
+        started: float, taken: float | None, now: float, partial_bytes: int = 0, from_disk: int = 0, counted: bool = True,
     ) -> None:
         """Count a transfer's end. Runs before the transfer is finished, so a waiter that wakes
-        already sees it counted. ``taken``: when a worker took it (None: it never started)."""
+        already sees it counted. ``taken``: when a worker took it (None: it never started);
+        ``counted``: whether :meth:`started` counted it in flight."""
         outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
         taken = started if taken is None else taken
         with self.lock:
-            self.in_flight -= 1
+            self.in_flight -= counted
             if outcome == "cancelled":
                 self.cancelled += 1
             elif outcome == "failed":

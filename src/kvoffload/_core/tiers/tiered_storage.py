@@ -18,7 +18,7 @@ from typing import Any
 from ..diskfile import IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, QuickJob
+from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, HandOver, QuickJob
 from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
 from ..stats import TierCounts, TransferCounters
@@ -37,23 +37,24 @@ class StorePlan:
 
     __slots__ = (
         "index", "metrics", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "taken", "published", "finished",
+        "counted",
     )
     reports_landings = True
 
-    def __init__(
-        self, index: BlockIndex, metrics: TransferCounters, reservation: Reservation, block_ids: list[int], block_bytes: int,
-        chunk_blocks: int,
-    ) -> None:
+    def __init__(self, index: BlockIndex, metrics: TransferCounters, block_bytes: int, chunk_blocks: int) -> None:
         self.index = index
         self.metrics = metrics
         self.taken: float | None = None
-        self.reservation = reservation
-        self.block_ids = block_ids
+        self.reservation = Reservation([], [], [])
+        """Filled by :meth:`BlockIndex.reserve` in one step with the index's changes."""
+        self.block_ids: list[int] = []
         self.block_bytes = block_bytes
         self.chunk_blocks = chunk_blocks
         self.started = time.perf_counter()
         self.published = 0
         self.finished = False
+        self.counted = False
+        """True once ``metrics`` counts the store in flight (:meth:`TransferCounters.started`)."""
 
     def publish(self, n: int) -> None:
         """The store's next ``n`` entries have landed: make them visible."""
@@ -69,7 +70,10 @@ class StorePlan:
         return TransferResult("store", keys, tuple(self.reservation.skipped), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
     def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        """Count the store's end (keys it published before failing or being cancelled included)."""
+        """Count the store's end (keys it published before failing or being cancelled included), if it
+        was counted started: a store refused at the call (``CapacityError``) or cut short before, never ran."""
+        if not self.counted:
+            return
         partial = 0 if result is not None else self.published * self.block_bytes
         self.metrics.ended(
             "store", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
@@ -90,20 +94,26 @@ class StorePlan:
 class LoadPlan:
     """A load's pinned copies and destination blocks; unpins them when it ends. Implements :class:`JobSteps`."""
 
-    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released", "reports_landings", "on_tensor")
+    __slots__ = (
+        "index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released", "reports_landings", "on_tensor",
+        "counted",
+    )
 
-    def __init__(self, index: BlockIndex, metrics: TransferCounters, pins: list[Pin], block_ids: list[int], block_bytes: int) -> None:
+    def __init__(self, index: BlockIndex, metrics: TransferCounters, block_ids: list[int], block_bytes: int) -> None:
         self.index = index
         self.metrics = metrics
         self.taken: float | None = None
         self.reports_landings = False
         self.on_tensor: Callable[[int], None] | None = None
         """Per-tensor loads: told as each tensor (copy ``i``) lands."""
-        self.pins = pins
+        self.pins: list[Pin] = []
+        """Filled by :meth:`BlockIndex.pin` pin by pin."""
         self.block_ids = block_ids
         self.block_bytes = block_bytes
         self.started = time.perf_counter()
         self.released = False
+        self.counted = False
+        """True once ``metrics`` counts the load in flight (:meth:`TransferCounters.started`)."""
 
     def landed(self, i: int) -> None:
         if self.on_tensor is not None:
@@ -114,7 +124,9 @@ class LoadPlan:
         return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
     def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        """Count the load's end, with how many of its keys came from disk."""
+        """Count the load's end, with how many of its keys came from disk, if it was counted started."""
+        if not self.counted:
+            return
         from_disk = sum(1 for p in self.pins if p.tier == DISK) if result is not None else 0
         self.metrics.ended(
             "load", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
@@ -177,30 +189,28 @@ class TieredStorage:
             raise
 
     def _start(
-        self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, requests: list[CopyRequest] | None,
-        after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
+        self, worker: CopyWorker, transfer: Transfer, hand_over: HandOver, plan: StorePlan | LoadPlan,
+        requests: list[CopyRequest] | None, after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
         enqueue: Callable[[Any], Enqueued] | None = None,
     ) -> None:
         """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
         and can be enqueued now (GPU; ``enqueue(after)`` instead of ``worker.enqueue`` when given) or
-        made in one step (one chunk), else ``run(after)`` as a task."""
+        made in one step (one chunk), else ``run(after)`` as a task. Whatever is enqueued now is
+        recorded in ``hand_over``."""
         if after is None:
             try:
                 after = worker.copier.caller_event()
             except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
-                worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=Enqueued([], e)))
+                hand_over.enqueued = Enqueued([], e)
+                worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, enqueued=hand_over.enqueued))
                 return
         if requests is not None and self.layout.is_cuda:
-            enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after)
-            try:
-                worker.start_quick(QuickJob(transfer, plan, plan.ended, enqueued=enqueued))
-            except BaseException:  # interrupted before start_quick could take care of the copies
-                enqueued.release()
-                raise
+            enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after, hand_over)
+            worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, enqueued=enqueued))
         elif requests is not None and len(requests) == 1:
-            worker.start_quick(QuickJob(transfer, plan, plan.ended, requests=requests))
+            worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, requests=requests))
         else:
-            worker.start_task(transfer, lambda: run(after), plan.cleanup, plan.ended)
+            worker.start_task(transfer, hand_over, lambda: run(after), plan.cleanup, plan.ended)
 
     # -- store ------------------------------------------------------------------------
 
@@ -208,42 +218,38 @@ class TieredStorage:
         """Reserve slots for ``blocks`` (key -> cache block id) and start copying them in; the running transfer.
 
         Raises CapacityError with nothing reserved. A store with nothing to copy (every key
-        stored already) is done at once, and counted."""
-        plan = self.plan_store(blocks)
+        stored already) is done at once, and counted. An interrupt anywhere in here (a signal
+        handler's ``KeyboardInterrupt``) leaks nothing: see :meth:`_interrupted`."""
+        hand_over = HandOver()
+        plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks)
         transfer = Transfer("store", self.tensor_names)
-        if not plan.reservation.entries:
-            self._done_at_once(transfer, TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0))
-        else:
-            self._hand_over(self.workers.store, transfer, plan, lambda: self.start_store(transfer, plan, after))
+        try:
+            self.index.reserve(blocks, plan.reservation)
+            if not plan.reservation.entries:
+                self.metrics.ended_at_once(TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0), transfer)
+                return transfer
+            plan.block_ids = [blocks[e.key] for e in plan.reservation.entries]
+            self.metrics.started(plan)
+            self.start_store(transfer, hand_over, plan, after)
+        except BaseException:
+            self._interrupted(self.workers.store, hand_over, transfer, plan)
+            raise
         return transfer
 
-    def _done_at_once(self, transfer: Transfer, result: TransferResult) -> None:
-        self.metrics.ended_at_once(result)
-        transfer._finish(result=result)
+    def _interrupted(self, worker: CopyWorker, hand_over: HandOver, transfer: Transfer, plan: StorePlan | LoadPlan) -> None:
+        """An exception (a ``KeyboardInterrupt`` from a signal handler, say) cut short a store or load
+        anywhere before its worker took it: the transfer ends cancelled, what it holds (slots, pins, the
+        count in flight: the plan knows exactly what) given back once its copies are done; or, if the
+        worker took it, the worker ends it so."""
+        worker.abandon(hand_over, transfer, plan, plan.ended)
 
-    def _hand_over(self, worker: CopyWorker, transfer: Transfer, plan: StorePlan | LoadPlan, start: Callable[[], None]) -> None:
-        """Count ``transfer`` started and ``start()`` it on its worker. Should anything (a
-        ``KeyboardInterrupt`` from a signal handler, say) interrupt the hand-over, the transfer ends
-        cancelled, its slots and pins given back once its copies are done, before it propagates."""
-        self.metrics.started()
-        try:
-            start()
-        except BaseException:
-            worker.abandon(transfer, plan, plan.ended)
-            raise
-
-    def plan_store(self, blocks: dict[Hashable, int]) -> StorePlan:
-        """Reserve slots for the keys not yet present (may raise CapacityError)."""
-        r = self.index.reserve(blocks)
-        return StorePlan(self.index, self.metrics, r, [blocks[e.key] for e in r.entries], self.layout.block_bytes, self.chunk_blocks)
-
-    def start_store(self, transfer: Transfer, plan: StorePlan, after: Any) -> None:
+    def start_store(self, transfer: Transfer, hand_over: HandOver, plan: StorePlan, after: Any) -> None:
         """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
         requests = None
         if self.index.store_tier == HOST and not plan.reservation.spills:
             assert self.host is not None
             requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
-        self._start(self.workers.store, transfer, plan, requests, after, functools.partial(self._run_store, plan))
+        self._start(self.workers.store, transfer, hand_over, plan, requests, after, functools.partial(self._run_store, plan))
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
@@ -286,22 +292,26 @@ class TieredStorage:
 
     def load(self, blocks: dict[Hashable, int], after: Any, per_tensor: bool, expedited: bool) -> Transfer:
         """Pin the stored copy of every key of ``blocks`` (key -> destination block id) and start copying
-        them out; the running transfer. Raises MissingKeysError with nothing pinned."""
+        them out; the running transfer. Raises MissingKeysError with nothing pinned. An interrupt
+        anywhere in here leaks nothing (:meth:`_interrupted`)."""
+        hand_over = HandOver()
+        plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes)
         transfer = Transfer("load", self.tensor_names)
-        if not blocks:
-            self._done_at_once(transfer, TransferResult("load", (), (), 0, 0.0))
-            return transfer
-        plan = self.plan_load(blocks)
-        worker = self.workers.load  # the expedited worker, if start_load picks it, knows the transfer by then
-        self._hand_over(worker, transfer, plan, lambda: self.start_load(transfer, plan, after, per_tensor, expedited))
+        try:
+            if not blocks:
+                self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), transfer)
+                return transfer
+            self.index.pin(list(blocks), plan.pins)
+            self.metrics.started(plan)
+            self.start_load(transfer, hand_over, plan, after, per_tensor, expedited)
+        except BaseException:
+            self._interrupted(self.workers.load, hand_over, transfer, plan)
+            raise
         return transfer
 
-    def plan_load(self, blocks: dict[Hashable, int]) -> LoadPlan:
-        """Pin the current copy of every key (may raise MissingKeysError)."""
-        keys = list(blocks)
-        return LoadPlan(self.index, self.metrics, self.index.pin(keys), [blocks[k] for k in keys], self.layout.block_bytes)
-
-    def start_load(self, transfer: Transfer, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False) -> None:
+    def start_load(
+        self, transfer: Transfer, hand_over: HandOver, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False,
+    ) -> None:
         """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed).
 
         ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
@@ -323,13 +333,13 @@ class TieredStorage:
             assert host is not None
 
             def enqueue(after: Any) -> Enqueued:
-                enqueued = load_worker.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after)
+                enqueued = load_worker.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after, hand_over)
                 # tensors after a failed submission get no event: they never land, their waiters get the error
                 transfer._track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
                 plan.reports_landings, plan.on_tensor = True, transfer._tensor_landed
                 return enqueued
 
-        self._start(load_worker, transfer, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
+        self._start(load_worker, transfer, hand_over, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
