@@ -6,6 +6,7 @@ cancellations after some chunks landed) and checked exactly.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 
 import pytest
@@ -80,6 +81,24 @@ async def test_disk_io_errors_are_counted(tmp_path, faults):
         await off.store({"b": 1})
         s = off.stats()
         assert s.disk_io_errors >= 1 and s.failed == 1 and s.disk_bytes_written > 0
+
+
+@pytest.mark.asyncio
+async def test_a_spill_whose_victim_was_discarded_meanwhile_is_not_counted(tmp_path, faults):
+    caches = random_caches(8, seed=54)
+    slot = kvoffload.BlockLayout.of(caches).slot_bytes
+    async with kvoffload.Offloader(caches, host_blocks=1, disk_path=tmp_path / "kv", disk_blocks=4, chunk_bytes=slot) as off:
+        await off.store({"victim": 0})
+        gate = faults.gate(off, "pwritev")
+        store = off.store({"heir": 1})  # spills "victim" to disk first
+        await asyncio.to_thread(gate.wait_entered)
+        assert off.discard(["victim"]) == 1  # discarded while its bytes are written
+        gate.open()
+        await store
+        s = off.stats()
+        assert s.spilled == 0 and s.disk_ready == 0 and "victim" not in off, s
+        await off.store({"next": 2})  # a spill that moves its victim is counted
+        assert off.stats().spilled == 1
 
 
 @pytest.mark.asyncio

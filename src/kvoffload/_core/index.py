@@ -618,8 +618,8 @@ class BlockIndex:
                 return
             spill.ended = True
             v, host, disk = spill.victim, self._tiers[HOST], self._tiers[DISK]
-            self.spilled += 1
             if v.state is State.SPILLING:
+                self.spilled += 1  # a victim discarded meanwhile was not moved: not counted
                 host.lru.pop(v.index_key)
                 v.state, v.tier, v.slot = State.READY, DISK, spill.disk_slot
                 disk.lru[v.index_key] = v
