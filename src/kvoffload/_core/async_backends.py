@@ -1,7 +1,8 @@
 """Which async library runs the caller, and the one thing kvoffload does differently under each:
 sleeping in the current task until another thread wakes it.
 
-The library is asked of sniffio (which trio and anyio keep up to date), never guessed from whether an
+The library is asked of sniffio (which trio keeps up to date, and requires: where sniffio is not
+installed, only asyncio can run), never guessed from whether an
 asyncio loop runs in this thread: under trio's guest mode one does, yet trio's tasks cannot await its
 futures. Everything in kvoffload that waits from an event loop goes through :func:`wakeup` (or
 :func:`running_asyncio_loop` for where a callback belongs); nothing else asks which library runs.
@@ -18,9 +19,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import sniffio
-
 from .cross_thread import Mailbox, mailbox_of
+
+try:
+    import sniffio
+except ImportError:  # trio requires sniffio: without it, no library but asyncio can be running
+    sniffio = None  # type: ignore[assignment]
 
 __all__ = ["running_asyncio_loop", "Wakeup", "wakeup"]
 
@@ -35,6 +39,8 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
     # What sniffio.current_async_library() reads first: where a library that runs on asyncio's
     # thread (trio in guest mode) or inside its tasks (trio-asyncio) says who runs now. Neither set,
     # asyncio runs: a task, or a callback of the loop outside any task.
+    if sniffio is None:
+        return loop
     library = sniffio.thread_local.name or sniffio.current_async_library_cvar.get()
     return loop if library is None or library == "asyncio" else None
 
