@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from conftest import Named, random_caches, same_bytes
 from kvoffload._core.index import BlockIndex
 from kvoffload._testing import check_index
 
@@ -269,20 +269,16 @@ def test_a_key_discarded_while_a_store_compares_it_is_stored_anew(caches):
         check_index(off)
 
 
-class Slow:
-    """A key equal to its name and to every ``Slow`` of that name, whose comparisons let other threads run."""
+class Slow(Named):
+    """A :class:`Named` key whose comparisons let other threads run."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __hash__(self) -> int:
-        return hash(self.name)
+    __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
         os.sched_yield()
-        return other == self.name if isinstance(other, str) else isinstance(other, Slow) and other.name == self.name
+        return super().__eq__(other)
+
+    __hash__ = Named.__hash__
 
 
 def test_threads_storing_equal_keys_at_once_store_each_key_once(caches):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import kvoffload
-from conftest import random_caches, report_figure, same_bytes
+from conftest import Named, random_caches, report_figure, same_bytes
 from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, State
 from kvoffload._testing import check_index
 
@@ -177,22 +177,6 @@ KEYS = [f"k{i}" for i in range(14)]
 """The model's keys by name; a run passes the index the key objects its kind makes of them (``World.key``)."""
 
 
-class Named:
-    """A key with ``__hash__`` and ``__eq__`` of its own: equal to its name and to any ``Named`` of that name."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def __eq__(self, other: object) -> bool:
-        return other == self.name if isinstance(other, str) else isinstance(other, Named) and other.name == self.name
-
-    def __repr__(self) -> str:
-        return f"Named({self.name!r})"
 
 
 KEY_KINDS: dict[str, Callable[[random.Random, str], Hashable]] = {
