@@ -192,12 +192,11 @@ class Runtime:
         self.workers = []
         storage = self.storage
         if storage is not None:
-            self.final_counts = storage.counts().retired()  # before the storage goes: stats() never sees less
+            # The workers have stopped: no IO runs any more. Kept before the storage goes: stats() never sees less.
+            self.final_counts = storage.counts().retired()
             self.storage = None
             disk = storage.disk
-            closed = storage.close(deadline.left())
-            self.final_counts = storage.counts().retired()  # with the IO counts of the closed file
-            if not closed:
+            if not storage.close(deadline.left()):
                 self._disk_left = disk
                 raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
         elif self._disk_left is not None:
