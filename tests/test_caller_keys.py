@@ -317,8 +317,10 @@ def test_threads_storing_equal_keys_at_once_store_each_key_once(caches):
                 assert off.discard([Slow(name) for name in names[::2]] + names[1::2]) == len(names)
         except threading.BrokenBarrierError:
             pytest.fail(f"a storing thread failed: {errors!r}")
+        except BaseException:
+            barrier.abort()  # only then: after the last round, threads may still be leaving their last wait
+            raise
         finally:
-            barrier.abort()
             for w in workers:
                 w.join(BOUND_S)
         assert not errors, errors
