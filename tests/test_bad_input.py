@@ -442,6 +442,12 @@ def test_caches_on_mixed_devices_are_refused_at_construction(tmp_path_factory, n
         ({"disk_path": 3, "disk_blocks": 8}, TypeError),
         ({"disk_path": "kv", "disk_blocks": -1}, ValueError),
         ({"disk_path": "kv", "disk_blocks": 8, "io_threads": 0}, ValueError),
+        ({"host_bytes": "1 GB"}, ValueError),
+        ({"host_bytes": 1.5e9}, TypeError),
+        ({"host_blocks": 8, "host_bytes": "1MiB"}, ValueError),  # both for one tier
+        ({"host_bytes": 0}, ValueError),  # no room at all
+        ({"disk_bytes": "1MiB"}, ValueError),  # no path
+        ({"disk_path": "kv", "disk_blocks": 8, "disk_bytes": "1MiB"}, ValueError),  # both for one tier
     ],
 )
 def test_bad_options_rejected(caches, kw, exc):
@@ -450,7 +456,10 @@ def test_bad_options_rejected(caches, kw, exc):
 
 
 bad_options = st.one_of(
-    st.fixed_dictionaries({"host_blocks": st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=2), st.booleans(), st.none())}),
+    st.fixed_dictionaries({"host_blocks": st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=2), st.booleans())}),
+    st.fixed_dictionaries({"host_bytes": st.one_of(st.integers(max_value=-1), st.floats(), st.booleans(), st.binary(max_size=2),
+                                                    st.text(max_size=4).filter(lambda s: not s.strip().isdigit()))}),
+    st.fixed_dictionaries({"host_blocks": st.integers(0, 8), "host_bytes": st.integers(0, 1 << 20)}),  # both for one tier
     st.fixed_dictionaries({"chunk_bytes": st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.none())}),
     st.fixed_dictionaries({"io_threads": st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=2))}),
     st.fixed_dictionaries({"disk_blocks": st.one_of(st.integers(max_value=-1), st.floats(), st.booleans())}),

@@ -76,6 +76,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, StartError, Transfer
+from ._core.options import parse_size
 
 __all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
 
@@ -97,26 +98,17 @@ _CHOICE_KEYS = {"completion": ("poll", "thread"), "gather_priority": ("low", "hi
 _KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, "disk_path"})
 _OFFLOADER_KEYS = ("chunk_bytes", "io_threads", "gather_ctas", "use_page_cache", "expedited_loads", "use_batch_copy",
                    "completion", "gather_priority", "copy_engine")
-_SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+)\s*(KiB|MiB|GiB|TiB)?\s*")
-
-
 def _error(key: str, message: str) -> ValueError:
     return ValueError(f"kv_connector_extra_config[{key!r}]: {message}")
 
 
 def _size(key: str, value: object) -> int:
-    """Bytes: an int, or a string of digits with an optional binary suffix (``"16GiB"``)."""
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m is None:
-            raise _error(key, f"{value!r} is not a size: give bytes as an integer, or digits with KiB, MiB, GiB or TiB ('16GiB')")
-        return int(m[1]) * _SIZE_UNITS[m[2]]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(key, f"{value!r} ({type(value).__name__}) is not a size: give bytes as an integer, or a string such as '16GiB'")
-    if value < 0:
-        raise _error(key, f"{value!r} is negative")
-    return value
+    """Bytes: an int, or a string of digits with an optional binary suffix (``"16GiB"``), as the
+    ``Offloader``'s own byte sizes take them."""
+    try:
+        return parse_size(key, value)
+    except (TypeError, ValueError) as e:  # its message begins "key=value": the key is in _error's prefix
+        raise _error(key, str(e).removeprefix(f"{key}=")) from None
 
 
 def _count(key: str, value: object, minimum: int) -> int:

@@ -35,8 +35,9 @@ from .cross_thread import resolve_from_any_thread
 from .errors import OffloadError
 from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
+from .options import format_size
 
-__all__ = ["DiskFile", "IoBatch", "IoCalls", "clear_path", "io_jobs"]
+__all__ = ["DiskFile", "IoBatch", "IoCalls", "check_free_space", "clear_path", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
@@ -120,9 +121,11 @@ class DiskFile:
             os.posix_fallocate(self.fd, 0, self.nbytes)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                free = _free_bytes(os.path.dirname(os.path.abspath(self.path)))
                 raise OffloadError(
-                    f"cannot reserve {self.nbytes / 2**30:.2f} GiB for the disk tier at {self.path}: {e.strerror}; "
-                    "free space or use fewer disk_blocks"
+                    f"cannot reserve {format_size(self.nbytes)} for the disk tier at {self.path}: {e.strerror}"
+                    f"{'' if free is None else f' ({format_size(free)} free there)'}; "
+                    "free space or give a smaller disk_bytes or disk_blocks"
                 ) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
@@ -166,6 +169,38 @@ class DiskFile:
         self.unlink()
         os.close(self.fd)
         self.fd = -1
+
+
+def _free_bytes(directory: str) -> int | None:
+    """Bytes an unprivileged user may still write on the file system of ``directory``; None if unknown
+    (no such directory, a pseudo file system that reports no blocks, a read-only one: opening says why)."""
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    if st.f_blocks == 0 or st.f_flag & getattr(os, "ST_RDONLY", 0):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(path: str, nbytes: int, given: str) -> None:
+    """Refuse, before anything is created, a disk file of ``nbytes`` at ``path`` that its file system
+    has no room for (``OffloadError`` naming ``given``, the option, the size and the free space). A
+    stale file at ``path``, which the new one replaces, counts as free. Nothing is refused when the
+    free space cannot be known (the directory missing, say: creating the file reports that)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    free = _free_bytes(directory)
+    if free is None:
+        return
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            free += st.st_blocks * 512
+    if nbytes > free:
+        raise OffloadError(
+            f"{given} needs {format_size(nbytes)} for the disk file at {path}, but its file system has {format_size(free)} free; "
+            "free space, choose another disk_path, or give a smaller disk_bytes or disk_blocks"
+        )
 
 
 _KINDS = {

@@ -12,6 +12,11 @@ import mmap
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not a POSIX system
+    resource = None  # type: ignore[assignment]
+
 from .errors import OffloadError
 
 __all__ = ["HostBuffer"]
@@ -41,8 +46,9 @@ class HostBuffer:
             except CudaError as e:
                 self.close()
                 raise OffloadError(
-                    f"could not pin {nbytes / 2**30:.2f} GiB of host memory ({e}); "
-                    "check RLIMIT_MEMLOCK (ulimit -l) and free memory, or use fewer host_blocks"
+                    f"could not pin {nbytes / 2**30:.2f} GiB of host memory ({e}); {_memlock_limit()}; "
+                    "raise the limit (ulimit -l, or the container's memlock limit) or free memory, "
+                    "or give a smaller host_bytes or host_blocks (chunk_bytes, for the disk tier's bounce buffers)"
                 ) from e
             self.pinned = True
 
@@ -70,3 +76,13 @@ class HostBuffer:
             pass
 
 
+
+
+def _memlock_limit() -> str:
+    """RLIMIT_MEMLOCK, the most bytes this process may lock, in words (drivers may pin past it as root)."""
+    if resource is None:
+        return "RLIMIT_MEMLOCK unknown"
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return "RLIMIT_MEMLOCK (ulimit -l) is unlimited"
+    return f"RLIMIT_MEMLOCK (ulimit -l) is {soft} bytes ({soft / 2**30:.2f} GiB)"

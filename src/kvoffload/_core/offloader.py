@@ -16,7 +16,7 @@ from .deadline import Deadline, check_timeout
 from .errors import ClosedError, CloseError, StartError
 from .helper_threads import HelperThread, run_off_loop
 from .layout import BlockLayout, check_block_mapping
-from .options import Options
+from .options import Options, TierSlots, format_size
 from .runtime import Runtime, finalize_runtime, process_generation
 from .stats import OffloaderStats, TierCounts, TransferCounters
 from .tiers.tiered_storage import TieredStorage
@@ -32,7 +32,10 @@ class Offloader:
 
     ``kv_caches`` maps names to tensors whose dim 0 indexes blocks; all have the
     same number of blocks and live on one device (``cuda`` or ``cpu``). A block's
-    bytes across all tensors go into one slot of ``host_blocks`` host slots.
+    bytes across all tensors go into one slot (``layout.slot_bytes``) of the host tier.
+    Size each tier in slots (``host_blocks``, ``disk_blocks``) or in bytes (``host_bytes``,
+    ``disk_bytes``: an int or a string such as ``"64GiB"``; ``bytes // slot_bytes`` slots), not
+    both. With neither host size the host tier holds 1 GiB worth of slots (logged at INFO).
     Tensors may be strided views, without a copy: blocks any stride apart, or blocks
     split along dim 1 into contiguous pieces (``t.transpose(0, 1)`` of a
     ``(2, num_blocks, ...)`` K/V tensor); the last dimension must be contiguous.
@@ -52,18 +55,21 @@ class Offloader:
     ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
     ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
-    disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` add the disk
-    tier: see the README's section on it.
+    disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` or ``disk_bytes`` add
+    the disk tier: see the README's section on it. Every memory taken is listed in the
+    README's *Sizing* section; ``start()`` refuses sizes that cannot fit before allocating.
     """
 
     def __init__(
         self,
         kv_caches: Mapping[str, torch.Tensor],
         *,
-        host_blocks: int = 4096,
+        host_blocks: int | None = None,
+        host_bytes: int | str | None = None,
         num_blocks: int | None = None,
         disk_path: str | os.PathLike[str] | None = None,
-        disk_blocks: int = 0,
+        disk_blocks: int | None = None,
+        disk_bytes: int | str | None = None,
         chunk_bytes: int = 128 << 20,
         completion: Literal["poll", "thread"] = "poll",
         gather_ctas: int = 0,
@@ -78,11 +84,20 @@ class Offloader:
         self._cuda = self._layout.is_cuda
         self._caches = dict(kv_caches)
         self._options = Options(
-            host_blocks=host_blocks, disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
-            disk_blocks=disk_blocks, chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
+            host_blocks=host_blocks, host_bytes=host_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
+            disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
+            disk_blocks=disk_blocks, disk_bytes=disk_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
+            chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
             gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads,
         )
+        self._slots: TierSlots = self._options.tier_slots(self._layout.slot_bytes)
+        if self._options.host_blocks is None and self._options.host_bytes is None:
+            log.info(
+                "kvoffload: %s: %d host slots of %s (%s); give host_bytes or host_blocks to size the host tier",
+                self._slots.host_given, self._slots.host, format_size(self._layout.slot_bytes),
+                format_size(self._slots.host * self._layout.slot_bytes),
+            )
         self._lock = threading.Lock()
         """Guards the lifecycle state below; held briefly, never across caller code or a copy."""
         self._calls_ended = threading.Condition(self._lock)
@@ -123,7 +138,7 @@ class Offloader:
                 raise ClosedError("the offloader was closed; create a new one")
             if self._runtime is None:
                 try:
-                    rt = Runtime(self._layout, self._caches, self._options, self._counters)
+                    rt = Runtime(self._layout, self._caches, self._options, self._slots, self._counters)
                 except (StartError, TypeError, ValueError):
                     raise
                 except Exception as e:
@@ -323,7 +338,11 @@ class Offloader:
     # -- index ----------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
-        """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length)."""
+        """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length).
+
+        ``TypeError`` for a ``str``, ``bytes``, ``bytearray`` or ``memoryview``: one key, not an
+        iterable of keys (``lookup([key])``)."""
+        _check_not_one_key("lookup", keys)
         hits = self._running_storage().index.lookup(keys)
         self._counters.looked_up(hits)
         return hits
@@ -335,7 +354,10 @@ class Offloader:
         return storage is not None and key in storage.index
 
     def discard(self, keys: Iterable[Hashable]) -> int:
-        """Forget stored keys; returns how many were present. Running loads of them finish normally."""
+        """Forget stored keys; returns how many were present. Running loads of them finish normally.
+
+        ``TypeError`` for a ``str``, ``bytes``, ``bytearray`` or ``memoryview``, as :meth:`lookup`."""
+        _check_not_one_key("discard", keys)
         return self._running_storage().index.discard(keys)
 
     def stats(self) -> OffloaderStats:
@@ -346,9 +368,9 @@ class Offloader:
         k = self._counters
         with k.lock:
             return OffloaderStats(
-                host_slots=self._options.host_blocks,
+                host_slots=self._slots.host,
                 host_free=tiers.host_free,
-                disk_slots=self._options.disk_blocks,
+                disk_slots=self._slots.disk,
                 disk_free=tiers.disk_free,
                 ready=tiers.host_ready + tiers.disk_ready,
                 host_ready=tiers.host_ready,
@@ -377,3 +399,12 @@ class Offloader:
                 bytes_stored_partially=k.bytes_stored_partially,
                 latency=k.latency(),
             )
+
+
+def _check_not_one_key(method: str, keys: object) -> None:
+    """A string or bytes where an iterable of keys is expected would be taken character by character."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{method}() takes an iterable of keys, got a {type(keys).__name__}, which would be taken character by "
+            f"character: pass [key] for one key"
+        )

@@ -3,10 +3,58 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Options"]
+__all__ = ["DEFAULT_HOST_BYTES", "Options", "TierSlots", "format_size", "parse_size"]
+
+DEFAULT_HOST_BYTES = 1 << 30
+"""The host tier's size when neither ``host_blocks`` nor ``host_bytes`` is given: 1 GiB worth of slots."""
+
+_SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = re.compile(r"\s*(\d{1,20})\s*(KiB|MiB|GiB|TiB)?\s*")
+
+
+def parse_size(name: str, value: object) -> int:
+    """Bytes from ``value``: an int >= 0, or a string of digits with an optional binary suffix
+    (``"65536"``, ``"64KiB"``, ``"16GiB"``, ``"1TiB"``). ``TypeError`` / ``ValueError`` naming
+    ``name`` (the option) and the value otherwise: floats, bools, negatives, other suffixes."""
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m is None:
+            raise ValueError(
+                f"{name}={value!r} is not a size: give bytes as an integer, or digits with KiB, MiB, GiB or TiB ('16GiB')"
+            )
+        return int(m[1]) * _SIZE_UNITS[m[2]]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name}={value!r} ({type(value).__name__}) is not a size: give bytes as an integer, or a string such as '16GiB'"
+        )
+    if value < 0:
+        raise ValueError(f"{name}={value!r} is negative")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` for people: ``"1 GiB"``, ``"1.50 GiB"``, ``"64 KiB"``, ``"100 bytes"``."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _SIZE_UNITS[unit]
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}" if nbytes % scale == 0 else f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class TierSlots:
+    """How many slots each tier has, for one slot size, and how each size was given (for messages)."""
+
+    host: int
+    disk: int
+    host_given: str
+    """``"host_bytes=68719476736 (64 GiB)"``, ``"host_blocks=4096"`` or ``"the default host size (1 GiB)"``."""
+    disk_given: str
+    """``"disk_bytes=... (...)"``, ``"disk_blocks=..."`` or ``"no disk tier"``."""
 
 
 @dataclass(frozen=True)
@@ -17,12 +65,19 @@ class Options:
     arguments; ``off.options`` returns it.
     """
 
-    host_blocks: int = 4096
-    """Block slots in (pinned) host memory; 0 for a disk-only offloader."""
+    host_blocks: int | None = None
+    """Block slots in (pinned) host memory; 0 for a disk-only offloader. Give this or ``host_bytes``;
+    with neither, the host tier holds :data:`DEFAULT_HOST_BYTES` (1 GiB) worth of slots."""
+    host_bytes: int | None = None
+    """The host tier's size in bytes (an int, or a string such as ``"64GiB"``, kept here as an int):
+    ``host_bytes // slot_bytes`` slots. Instead of ``host_blocks``."""
     disk_path: str | None = None
     """File of the disk tier (created fresh, mode 0600, removed on close), or None."""
-    disk_blocks: int = 0
-    """Block slots on disk; needs ``disk_path``."""
+    disk_blocks: int | None = None
+    """Block slots on disk; needs ``disk_path``. Give this or ``disk_bytes``."""
+    disk_bytes: int | None = None
+    """The disk tier's size in bytes (an int, or a string such as ``"400GiB"``, kept here as an int):
+    ``disk_bytes // slot_bytes`` slots. Instead of ``disk_blocks``; needs ``disk_path``."""
     chunk_bytes: int = 128 << 20
     """Bytes per copy chunk: the unit of pipelining and of cancellation. A GPU cache gets two
     staging buffers of this size per direction (512 MiB of GPU memory in all at the default)."""
@@ -60,8 +115,16 @@ class Options:
     takes 0.4 ms); expedited loads there take the load worker."""
 
     def __post_init__(self) -> None:
-        _check_count("host_blocks", self.host_blocks, minimum=0)
-        _check_count("disk_blocks", self.disk_blocks, minimum=0)
+        for tier in ("host", "disk"):
+            blocks, size = f"{tier}_blocks", f"{tier}_bytes"
+            if getattr(self, blocks) is not None:
+                _check_count(blocks, getattr(self, blocks), minimum=0)
+            if getattr(self, size) is not None:
+                object.__setattr__(self, size, parse_size(size, getattr(self, size)))
+            if getattr(self, blocks) is not None and getattr(self, size) is not None:
+                raise ValueError(
+                    f"give {blocks} or {size}, not both (got {blocks}={getattr(self, blocks)!r}, {size}={getattr(self, size)!r})"
+                )
         _check_count("chunk_bytes", self.chunk_bytes, minimum=1)
         _check_count("io_threads", self.io_threads, minimum=1)
         _check_count("gather_ctas", self.gather_ctas, minimum=0)
@@ -74,12 +137,14 @@ class Options:
             if not path or "\0" in path:
                 raise ValueError(f"disk_path is not a valid path: {path!r}")
             object.__setattr__(self, "disk_path", path)
-        if self.disk_blocks and self.disk_path is None:
-            raise ValueError("disk_blocks > 0 needs a disk_path")
-        if self.disk_path is not None and not self.disk_blocks:
-            raise ValueError("disk_path given with disk_blocks=0: give the number of disk slots")
-        if not self.host_blocks and not self.disk_blocks:
-            raise ValueError("no room: host_blocks and disk_blocks are both 0")
+        disk_size = "disk_bytes" if self.disk_bytes is not None else "disk_blocks"
+        if getattr(self, disk_size) and self.disk_path is None:
+            raise ValueError(f"{disk_size} > 0 needs a disk_path")
+        if self.disk_path is not None and not getattr(self, disk_size):
+            raise ValueError("disk_path given without a disk size: give disk_bytes (such as '400GiB') or disk_blocks")
+        host_size = "host_bytes" if self.host_bytes is not None else "host_blocks"
+        if getattr(self, host_size) == 0 and not getattr(self, disk_size):
+            raise ValueError(f"no room: {host_size}=0 and no disk tier")
         if self.gather_priority not in ("low", "high"):
             raise ValueError(f"gather_priority must be 'low' or 'high', got {self.gather_priority!r}")
         if self.copy_engine not in ("kernel", "dma"):
@@ -89,6 +154,31 @@ class Options:
         for name in ("use_batch_copy", "use_page_cache", "expedited_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+
+
+    def tier_slots(self, slot_bytes: int) -> TierSlots:
+        """The slots of each tier for slots of ``slot_bytes``: counts as given, sizes divided by
+        ``slot_bytes``. ``ValueError`` for a size of at least one byte that holds no slot."""
+        if self.host_blocks is not None:
+            host, host_given = self.host_blocks, f"host_blocks={self.host_blocks}"
+        elif self.host_bytes is not None:
+            host, host_given = self.host_bytes // slot_bytes, f"host_bytes={self.host_bytes} ({format_size(self.host_bytes)})"
+            if self.host_bytes and not host:
+                raise ValueError(f"{host_given} holds no slot of {slot_bytes} bytes: give at least {slot_bytes}, or 0 for no host tier")
+        else:
+            host, host_given = DEFAULT_HOST_BYTES // slot_bytes, f"the default host size ({format_size(DEFAULT_HOST_BYTES)})"
+            if not host:
+                raise ValueError(
+                    f"{host_given} holds no slot of {format_size(slot_bytes)}: give host_bytes or host_blocks"
+                )
+        if self.disk_bytes is not None:
+            disk, disk_given = self.disk_bytes // slot_bytes, f"disk_bytes={self.disk_bytes} ({format_size(self.disk_bytes)})"
+            if self.disk_bytes and not disk:
+                raise ValueError(f"{disk_given} holds no slot of {slot_bytes} bytes: give at least {slot_bytes}")
+        else:
+            disk = self.disk_blocks or 0
+            disk_given = f"disk_blocks={disk}" if disk else "no disk tier"
+        return TierSlots(host, disk, host_given, disk_given)
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> None:

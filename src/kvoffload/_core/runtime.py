@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,12 +25,13 @@ from .copy_worker import CopyCalls, CopyWorker, CopyWorkers
 from .layout import BlockLayout
 from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
-from .options import Options
+from .diskfile import check_free_space
+from .options import Options, TierSlots, format_size
 from .stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
 from .tiers.tiered_storage import TieredStorage
 
-__all__ = ["Runtime", "finalize_runtime", "process_generation"]
+__all__ = ["BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "Runtime", "finalize_runtime", "process_generation"]
 
 log = logging.getLogger("kvoffload")
 
@@ -73,14 +75,86 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_close_all_at_exit)
 
 
-def _check_host_memory(nbytes: int) -> None:
-    """Fail at once, not after minutes of paging or an OOM kill, when the slab cannot fit in RAM."""
+BOOKKEEPING_BYTES_PER_SLOT = 64
+"""Host memory the slot index takes per slot of either tier, made at ``start()``: its per-slot lists
+(owner, readers, free slot numbers) take 56 bytes a slot in CPython, rounded up."""
+MAX_SLOTS_PER_TIER = 1 << 26
+"""The most slots a tier may have (its bookkeeping alone: 4 GiB); bigger tiers need bigger blocks."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The memory an offloader takes once started, in bytes, by what holds it."""
+
+    host_slab: int
+    """The host tier: ``host slots * slot_bytes``, pinned for GPU caches."""
+    disk_bounce: int
+    """The disk tier's bounce buffers: two halves of ``chunk_bytes`` (rounded down to whole slots, at
+    least one) for loads, and as many for stores when there is no host tier; pinned for GPU caches."""
+    bookkeeping: int
+    """The slot index: about :data:`BOOKKEEPING_BYTES_PER_SLOT` per slot of either tier."""
+    gpu_staging: int
+    """GPU caches with ``copy_engine="kernel"``: two staging buffers of ``chunk_bytes`` (whole slots)
+    for stores and two for loads, on the GPU (512 MiB at the default ``chunk_bytes``)."""
+    disk_file: int
+    """The disk file: ``disk slots * slot_bytes``, reserved on its file system."""
+
+    @property
+    def host_memory(self) -> int:
+        """All host memory: slab, bounce buffers and bookkeeping."""
+        return self.host_slab + self.disk_bounce + self.bookkeeping
+
+    @classmethod
+    def of(cls, layout: BlockLayout, opts: Options, slots: TierSlots) -> Footprint:
+        """What an offloader of ``layout``, ``opts`` and ``slots`` takes."""
+        chunk = max(1, opts.chunk_bytes // layout.slot_bytes) * layout.slot_bytes
+        bounce_directions = (2 if not slots.host else 1) if slots.disk else 0
+        return cls(
+            host_slab=slots.host * layout.slot_bytes,
+            disk_bounce=bounce_directions * 2 * chunk,
+            bookkeeping=(slots.host + slots.disk) * BOOKKEEPING_BYTES_PER_SLOT,
+            gpu_staging=2 * 2 * chunk if layout.is_cuda and opts.copy_engine == "kernel" else 0,
+            disk_file=slots.disk * layout.slot_bytes,
+        )
+
+
+def _host_memory_limits() -> list[tuple[str, int]]:
+    """``(what, bytes)`` of each limit on host memory known here: physical memory, memory available now."""
+    limits = []
     try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limits.append(("this machine's memory", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")))
     except (ValueError, OSError, AttributeError):
-        return
-    if phys > 0 and nbytes > phys:
-        raise MemoryError(f"the host tier needs {nbytes / 2**30:.2f} GiB, more than this machine's {phys / 2**30:.2f} GiB of memory")
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(("the memory available now (MemAvailable)", int(line.split()[1]) * 1024))
+    except (OSError, ValueError, IndexError):
+        pass
+    return [(what, n) for what, n in limits if n > 0]
+
+
+def check_sizes(layout: BlockLayout, opts: Options, slots: TierSlots) -> None:
+    """Fail at once, before anything is allocated, when the tiers cannot fit: not after minutes of
+    paging, an OOM kill or a bare ``MemoryError``. The message names the size, the option and the limit."""
+    for given, n in ((slots.host_given, slots.host), (slots.disk_given, slots.disk)):
+        if n > MAX_SLOTS_PER_TIER:
+            raise MemoryError(
+                f"{given} is {n} slots of {format_size(layout.slot_bytes)}, more than the {MAX_SLOTS_PER_TIER} slots a tier "
+                f"may have (its bookkeeping alone would take {format_size(n * BOOKKEEPING_BYTES_PER_SLOT)} of host memory); "
+                "use fewer slots, or bigger blocks"
+            )
+    need = Footprint.of(layout, opts, slots)
+    for what, limit in _host_memory_limits():
+        if need.host_memory > limit:
+            raise MemoryError(
+                f"{slots.host_given} with {slots.disk_given} needs {format_size(need.host_memory)} of host memory "
+                f"({format_size(need.host_slab)} host slab, {format_size(need.disk_bounce)} disk bounce buffers, "
+                f"{format_size(need.bookkeeping)} slot bookkeeping), more than {what}: {format_size(limit)}"
+            )
+    if opts.disk_path is not None and need.disk_file:
+        check_free_space(opts.disk_path, need.disk_file, slots.disk_given)
 
 
 class Runtime:
@@ -90,7 +164,9 @@ class Runtime:
     shutdown to a ``kvoffload-close`` thread; after a timeout a later call finishes the job.
     """
 
-    def __init__(self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options, metrics: TransferCounters) -> None:
+    def __init__(
+        self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options, slots: TierSlots, metrics: TransferCounters,
+    ) -> None:
         self.pid = os.getpid()
         self.generation = process_generation()
         self.layout = layout
@@ -109,7 +185,7 @@ class Runtime:
         with _live_lock:
             _live.add(self)
         try:
-            _check_host_memory(opts.host_blocks * layout.slot_bytes)
+            check_sizes(layout, opts, slots)
             expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
             for name in ("store", "load", "expedited") if expedited else ("store", "load"):
                 thread = WorkerLoop(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
@@ -121,7 +197,7 @@ class Runtime:
                     raise
                 self.workers.append(CopyWorker("store" if name == "store" else "load", thread, copier, bridge, self.copy_calls))
             self.storage = TieredStorage(
-                layout, opts.host_blocks, opts.disk_path, opts.disk_blocks, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
+                layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
             )
