@@ -7,8 +7,9 @@ by an ``asyncio.timeout`` that fires mid-transfer, or right after the call) and 
 
 The model is a dict ``key -> bytes stored`` plus the LRU order of each tier as the README documents
 it: stores go to host memory; when it needs room its least-recently-used entries are spilled to disk;
-when the disk is full too its least-recently-used entries are dropped (``stats().evicted``); a load
-makes its keys the most recently used of their tier. After a cancelled store the outcome is not
+when the disk is full too its least-recently-used entries are dropped (``stats().evicted``); a store
+larger than the host tier sends its first keys to disk (the disk's least-recently-used entries make
+room) and its last ones to host memory; a load makes its keys the most recently used of their tier. After a cancelled store the outcome is not
 fixed (how many spills and chunks landed), so the test reads it back and checks that it is one the
 documented semantics allow: spills complete in LRU order, the new keys visible are a prefix of the
 store's new keys, and none is visible unless all spills completed.
@@ -96,15 +97,16 @@ class Hooks:
     def hit(self, where: str) -> None:
         off = self.off
         if off is not None:
-            s = off.stats()
+            c = off._running_storage().index.counts()  # stats() with the pending entries per tier
             # Host slots: free + ready + pending, minus the spilling entries whose slot a pending entry borrows.
-            if s.host_free + s.host_ready + s.pending - s.spilling != s.host_slots:
-                self.violations.append(f"{where}: host slots do not add up: {s}")
-            if s.disk_free + s.disk_ready + s.spilling != s.disk_slots:
-                self.violations.append(f"{where}: disk slots do not add up: {s}")
+            if c["host_free"] + c["host_ready"] + c["host_pending"] - c["spilling"] != c["host_slots"]:
+                self.violations.append(f"{where}: host slots do not add up: {c}")
+            # Disk slots: free + ready + pending (a large store's first keys) + the spills' destinations.
+            if c["disk_free"] + c["disk_ready"] + c["disk_pending"] + c["spilling"] != c["disk_slots"]:
+                self.violations.append(f"{where}: disk slots do not add up: {c}")
             FIGURES["accounting-checks"] += 1
-            if s.host_ready > s.host_slots or s.disk_ready > s.disk_slots or s.ready > s.host_slots + s.disk_slots:
-                self.violations.append(f"{where}: more entries than slots: {s}")
+            if c["host_ready"] > c["host_slots"] or c["disk_ready"] > c["disk_slots"]:
+                self.violations.append(f"{where}: more entries than slots: {c}")
         with self.lock:
             self.calls += 1
             action = None
@@ -146,15 +148,20 @@ class Model:
         self.spilled = 0
 
     def plan_store(self, keys: list):
-        """(new keys, skipped keys, spill victims, dropped keys, disk list after the drops) or None for CapacityError."""
+        """(new keys, skipped keys, spill victims, dropped keys, disk list after the drops, how many new
+        keys go to disk) or None for CapacityError."""
         new = [k for k in keys if k not in self.data]
         skipped = [k for k in keys if k in self.data]
-        if len(new) > HOST_SLOTS:  # nothing is pinned between steps: every host entry is evictable
+        if len(new) > HOST_SLOTS + DISK_SLOTS:  # nothing is pinned between steps: every entry is evictable
             return None
-        shortfall = max(0, len(new) - (HOST_SLOTS - len(self.host)))
-        victims, dropped, spills = self.host[:shortfall], [], []
+        direct = max(0, len(new) - HOST_SLOTS)  # a store larger than the host tier: its first keys go to disk
+        dropped: list = []
         disk = list(self.disk)
-        disk_free = DISK_SLOTS - len(disk)
+        while DISK_SLOTS - len(disk) < direct:
+            dropped.append(disk.pop(0))  # the disk's least recently used entries make room for them
+        disk_free = DISK_SLOTS - len(disk) - direct
+        shortfall = max(0, len(new) - direct - (HOST_SLOTS - len(self.host)))
+        victims, spills = self.host[:shortfall], []
         for v in victims:
             if disk_free:
                 disk_free -= 1
@@ -164,14 +171,14 @@ class Model:
                 spills.append(v)
             else:
                 dropped.append(v)
-        return new, skipped, spills, dropped, disk
+        return new, skipped, spills, dropped, disk, direct
 
     def apply_store(self, plan, blocks_bytes: dict, spills_done: int, published: int) -> None:
-        new, _, spills, dropped, disk = plan
+        new, _, spills, dropped, disk, direct = plan
         moved = spills[:spills_done]
         gone = set(map(_h, dropped)) | set(map(_h, moved))
-        self.host = [k for k in self.host if _h(k) not in gone] + new[:published]
-        self.disk = disk + moved
+        self.host = [k for k in self.host if _h(k) not in gone] + new[direct:published]
+        self.disk = disk + moved + new[: min(published, direct)]
         for k in dropped:
             del self.data[k]
         for k in new[:published]:
@@ -303,6 +310,12 @@ class OffloaderMachine(RuleBasedStateMachine):
         """Larger stores (fills the tiers so that spills and evictions happen often)."""
         self.do_store(keys, sources)
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=HOST_SLOTS + 1, max_size=HOST_SLOTS + DISK_SLOTS + 1, unique=True),
+          sources=st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=HOST_SLOTS + DISK_SLOTS + 1, max_size=HOST_SLOTS + DISK_SLOTS + 1))
+    def store_large(self, keys, sources) -> None:
+        """Stores larger than the host tier (through it to disk), and larger than both tiers (refused)."""
+        self.do_store(keys, sources)
+
     def do_store(self, keys, sources) -> None:
         self.count("store")
         srcs = sources[: len(keys)]
@@ -361,8 +374,8 @@ class OffloaderMachine(RuleBasedStateMachine):
         assert self.off.discard(keys) == self.model.discard(keys)
 
     @rule(kind=st.sampled_from(["store", "load"]), how=st.sampled_from(CANCEL_WAYS), at=st.integers(1, 6),
-          pick=st.lists(st.sampled_from(KEYS), min_size=1, max_size=HOST_SLOTS, unique=True),
-          sources=st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=HOST_SLOTS, max_size=HOST_SLOTS),
+          pick=st.lists(st.sampled_from(KEYS), min_size=1, max_size=HOST_SLOTS + 3, unique=True),
+          sources=st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=HOST_SLOTS + 3, max_size=HOST_SLOTS + 3),
           dests=st.permutations(range(NUM_BLOCKS)))
     def cancel(self, kind, how, at, pick, sources, dests) -> None:
         """Start a transfer and cancel it at the ``at``-th copy or IO call it makes (or right after the call)."""
@@ -390,12 +403,12 @@ class OffloaderMachine(RuleBasedStateMachine):
                 self.check_load(keys, [blocks[k] for k in keys])
             return
         # Read back what the cancelled store left and check it is an outcome the semantics allow.
-        new, _, spills, _dropped, disk_after_drops = plan
+        new, _, spills, _dropped, disk_after_drops, direct = plan
         visible = [k in self.off for k in new]
         published = sum(visible)
         assert visible == [True] * published + [False] * (len(new) - published), (
             f"a cancelled store published keys out of order: {list(zip(new, visible))}")
-        spills_done = s.disk_ready - len(disk_after_drops)
+        spills_done = s.disk_ready - len(disk_after_drops) - min(published, direct)
         assert 0 <= spills_done <= len(spills), (spills_done, plan, s)
         assert published == 0 or spills_done == len(spills), "keys published before the spills making room for them completed"
         if outcome == "done":

@@ -121,6 +121,25 @@ def test_spill_failed_keeps_the_victim_in_host_memory_and_the_heir_owns_nothing(
     ix.check()
 
 
+def test_a_store_larger_than_the_host_tier_takes_disk_slots_for_its_first_keys():
+    ix = two_tier(host=2, disk=4)
+    store(ix, "old", "a", "b")  # "old" to disk (its first key), "a" and "b" to host
+    assert [ix._entries[k].tier for k in ("old", "a", "b")] == [DISK, HOST, HOST]
+    r = ix.reserve(["c", "d", "e", "f"])
+    # the last two keys take the host slots (spilling "a" and "b"); the first two take disk slots,
+    # evicting the disk's least recently used entry ("old") for one of them
+    assert r.to_disk == 2 and [e.tier for e in r.entries] == [DISK, DISK, HOST, HOST]
+    assert [s.victim.key for s in r.spills] == ["a", "b"] and state_of(ix, "old") is None
+    ix.check()
+    ix.spill_done(r.spills[0])
+    ix.publish(r.entries[:1])  # the store is cancelled after its first key
+    ix.spill_failed(r.spills[1])
+    ix.abort(r.entries[1:])
+    assert [state_of(ix, k) for k in "abcdef"] == [State.READY, State.READY, State.READY, None, None, None]
+    assert ix._entries["a"].tier == DISK and ix._entries["b"].tier == HOST and free(ix) == (1, 2)
+    ix.check()
+
+
 def test_the_heir_waits_for_the_last_reader_of_its_host_slot():
     ix = two_tier(host=1)
     store(ix, "a")
@@ -253,9 +272,18 @@ def store_process(w: World, names: list[str]) -> Generator[object, None, None]:
                 FIGURES["heir waits"] += 1
             while not b.ready:
                 yield b
-        for e in r.entries:
+        # A store larger than the host slots it could have stages its first keys (disk slots) in the host
+        # slots of its last ones on their way to disk: nobody else may read or own those meanwhile.
+        staging = [e.slot for e in r.entries[r.to_disk:]] if 0 < r.to_disk < len(r.entries) else []
+        for i, e in enumerate(r.entries):
             yield "chunk"
-            w.mem[e.tier][e.slot] = tags[name_of(e.key)]
+            if i < r.to_disk and staging:
+                FIGURES["staged writes"] += 1
+                w.mem[HOST][staging[i % len(staging)]] = tags[name_of(e.key)]
+                yield "stage"
+                w.mem[e.tier][e.slot] = w.mem[HOST][staging[i % len(staging)]]
+            else:
+                w.mem[e.tier][e.slot] = tags[name_of(e.key)]
             w.ix.publish([e])
             published += 1
             if e.state is State.READY:
@@ -381,6 +409,7 @@ def test_interleavings_keep_every_slot_owned_once():
         f"{f['stores completed']} stores and {f['loads completed']} loads completed, "
         f"{f['stores cancelled']} stores and {f['loads cancelled']} loads cancelled mid-way, {f['discards']} keys discarded, "
         f"{f['spill writes']} spill writes ({f['spill failures']} failed), {f['heir waits']} heirs waited for a reader, "
+        f"{f['staged writes']} blocks staged in host slots on their way to disk, "
         f"{f['evictions']} evictions, {f['reads checked']} reads checked, {f['capacity refusals']} capacity refusals"
     )
 

@@ -38,7 +38,25 @@ class TransferCancelled(OffloadError):
 
 
 class CapacityError(OffloadError):
-    """No room could be made: every slot is in use by a running transfer."""
+    """A store could not have the slots it needs; nothing was reserved, spilled or evicted.
+
+    Either the store is larger than the tiers together (``requested > capacity``: it never fits;
+    store it in parts) or running transfers hold the slots it would need (it may fit once they end).
+    ``requested``: the new blocks the store needed; ``capacity``: the slots of the host and disk
+    tiers together.
+    """
+
+    def __init__(self, message: str, *, requested: int = 0, capacity: int = 0) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.capacity = capacity
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the attributes through pickling
+        return (_capacity_error, (str(self), self.requested, self.capacity))
+
+
+def _capacity_error(message: str, requested: int, capacity: int) -> CapacityError:
+    return CapacityError(message, requested=requested, capacity=capacity)
 
 
 class MissingKeysError(OffloadError, KeyError):

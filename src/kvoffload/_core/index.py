@@ -120,6 +120,10 @@ class Reservation:
     skipped: list[Hashable]
     spills: list[Spill]
     """Spills the store must write before it writes their heirs' slots (heirs come last in ``entries``)."""
+    to_disk: int = 0
+    """How many leading ``entries`` have disk slots: all of them when the store tier is the disk; the
+    first ones of a store larger than the host slots it can have (the rest, its last blocks, are in
+    host slots, which it writes after these)."""
 
 
 @dataclass
@@ -411,6 +415,7 @@ class BlockIndex:
         with self._lock:
             host, disk = self._tiers
             states = [e.state for e in self._entries.values()]
+            pending_tiers = [e.tier for e in self._entries.values() if e.state is State.PENDING]
             return {
                 "host_slots": host.size,
                 "host_free": len(host.free),
@@ -418,7 +423,9 @@ class BlockIndex:
                 "disk_free": len(disk.free),
                 "host_ready": len(host.lru),
                 "disk_ready": len(disk.lru),
-                "pending": states.count(State.PENDING),
+                "pending": len(pending_tiers),
+                "host_pending": pending_tiers.count(HOST),
+                "disk_pending": pending_tiers.count(DISK),
                 "pinned": sum(1 for e in self._entries.values() if e.loads),
                 "spilling": states.count(State.SPILLING),
                 "evicted": self.evicted,
@@ -461,8 +468,13 @@ class BlockIndex:
         Keys already present (in any state but GONE) are skipped. Room comes
         from free slots, then from least-recently-used READY entries that no load
         reads: spilled to disk when the store tier is host memory and the disk
-        has (or can make) room, evicted otherwise. Raises :class:`CapacityError`,
-        with nothing reserved, spilled or evicted, when too few slots can be had.
+        has (or can make) room, evicted otherwise. A store larger than the host
+        slots it can have (free or evictable) takes them all for its last keys and
+        disk slots for its first ones (``to_disk``), made by evicting the disk's
+        least-recently-used entries as needed. Raises :class:`CapacityError`, with
+        nothing reserved, spilled or evicted, when too few slots can be had: its
+        message tells a store larger than the tiers together from one refused
+        because running transfers hold the slots.
 
         ``into`` (an empty reservation) is filled in place, in one step with the index's changes: a
         caller that an interrupt (a signal handler's ``KeyboardInterrupt``) stops anywhere finds in it
@@ -504,20 +516,40 @@ class BlockIndex:
                     index_keys.append(item)
         t = self.store_tier
         tier = self._tiers[t]
-        shortfall = len(new_keys) - len(tier.free)
+        disk = self._tiers[DISK]
+        n = len(new_keys)
+        shortfall = n - len(tier.free)
         victims: list[Entry] = []
+        disk_victims: list[Entry] = []
+        direct = 0  # leading new keys that go to disk slots although the store tier is host memory
         if shortfall > 0:
             victims = self._evictable(t, shortfall)
             if len(victims) < shortfall:
-                raise CapacityError(
-                    f"need {len(new_keys)} free {TIER_NAMES[t]} slots: {len(tier.free)} free and only "
-                    f"{len(victims)} evictable of {tier.size}; the rest are in use by running transfers"
-                )
+                # Larger than the host slots to be had: the first blocks go to disk (through the host slots
+                # that the last ones take), as long as the disk has or can make room for them.
+                host_room = len(tier.free) + len(victims)
+                direct = n - host_room
+                if t != HOST or not disk.size or not host_room:
+                    raise self._capacity_error(n)
+                if direct > len(disk.free):
+                    disk_victims = self._evictable(DISK, direct - len(disk.free))
+                    if len(disk.free) + len(disk_victims) < direct:
+                        raise self._capacity_error(n)
         # Everything above only looked; from here on the index changes, and an interrupt (a signal
         # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
         evicted: list[Entry] = []
         entries: list[Entry] = []
         try:
+            for v in disk_victims:  # room on disk for the first blocks: its least recently used entries go
+                evicted.append(v)
+                self._evict(v)
+            if found is not None:  # a key with methods of its own goes under a stand-in
+                index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
+            pending = State.PENDING  # an enum member costs a descriptor call per use: once here
+            entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
+            for e in entries[:direct]:
+                e.tier = DISK
+            disk.take_in_order(entries[:direct])
             to_spill: list[tuple[Entry, int]] = []
             for v in victims:
                 disk_slot = self._disk_slot_for_spill(v, evicted) if t == HOST else None
@@ -527,25 +559,46 @@ class BlockIndex:
                 else:
                     to_spill.append((v, disk_slot))
             # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
-            if found is not None:  # a key with methods of its own goes under a stand-in
-                index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
-            pending = State.PENDING  # an enum member costs a descriptor call per use: once here
-            entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
-            n_free = len(entries) - len(to_spill)
-            tier.take_in_order(entries[:n_free])
+            n_free = len(entries) - direct - len(to_spill)
+            tier.take_in_order(entries[direct : direct + n_free])
             spills = []
-            for e, (v, disk_slot) in zip(entries[n_free:], to_spill):
+            for e, (v, disk_slot) in zip(entries[direct + n_free :], to_spill):
                 v.state = State.SPILLING
                 e.slot = v.slot  # owned by the victim until its bytes are on disk
                 spills.append(Spill(v, e, v.slot, disk_slot))
             self._entries.update(zip(index_keys, entries))
             if found is not None:
                 self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
-            into.entries, into.skipped, into.spills = entries, skipped, spills  # one step: no call between
+            to_disk = len(entries) if t == DISK else direct
+            into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
             return into
         except BaseException:
             self._undo_reserve(victims, evicted, entries)
             raise
+
+    def _capacity_error(self, n: int) -> CapacityError:
+        """Under the lock: the error for a store of ``n`` new blocks that cannot have the slots it needs,
+        saying whether it is larger than the tiers together or running transfers hold the slots now."""
+        host, disk = self._tiers
+        capacity = host.size + disk.size
+        if n > capacity:
+            return CapacityError(
+                f"a store of {n} blocks is larger than the host tier ({host.size} slots) and the disk tier "
+                f"({disk.size} slots) together",
+                requested=n, capacity=capacity,
+            )
+        room = [(name, len(t.free), len(self._evictable(i, t.size)), t.size) for i, (name, t) in enumerate(zip(TIER_NAMES, self._tiers))]
+        note = ""
+        if not host.size or not disk.size:
+            name, free, evictable, size = room[self.store_tier]
+            msg = f"need {n} free {name} slots: {free} free and only {evictable} evictable of {size}"
+        else:
+            msg = f"need {n} free slots: " + ", ".join(
+                f"the {name} tier has {free} free and {evictable} evictable of {size}" for name, free, evictable, size in room
+            )
+            if not room[HOST][1] + room[HOST][2]:
+                note = " (blocks bound for disk go through host slots: a store needs at least one)"
+        return CapacityError(f"{msg}; the rest are in use by running transfers{note}", requested=n, capacity=capacity)
 
     def _undo_reserve(self, victims: list[Entry], evicted: list[Entry], entries: list[Entry]) -> None:
         """Under the lock, after an exception cut :meth:`_reserve` short: the new entries go, every victim

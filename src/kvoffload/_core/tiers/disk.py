@@ -7,8 +7,9 @@ of consecutive slots become one ``pwritev``/``preadv`` (cut into jobs of
 
 Stores straight to disk (no host tier) copy a chunk of blocks into one half of
 a pinned, page-aligned bounce buffer while the IO threads write the previous
-chunk from the other half; loads read chunk N+1 into one half while chunk N is
-copied to the cache from the other. Spills write host slots directly from the
+chunk from the other half (a store larger than the host tier stages its first
+blocks so, in the host slots its last blocks take); loads read chunk N+1 into
+one half while chunk N is copied to the cache from the other. Spills write host slots directly from the
 (pinned, aligned) host slab: no extra copy.
 
 The event loops never block on IO: they await futures of the IO pool.
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..deadline import Deadline
 from ..diskfile import DiskFile, IoBatch, io_jobs
@@ -40,24 +42,41 @@ log = logging.getLogger("kvoffload")
 
 
 class BouncePool:
-    """Halves of a bounce buffer, each ``chunk_blocks`` slots, shared by the transfers of one loop.
+    """Halves of a bounce buffer (rows of pinned host memory), shared by the transfers that use it.
 
     A half is taken for one chunk and given back when the IO or copy that
     uses it has ended (``release_after``), independently of the transfer that
     took it, so transfers never wait on each other in a cycle.
     """
 
-    def __init__(self, buffer: HostBuffer, halves: int, chunk_blocks: int, slot_bytes: int) -> None:
-        self.rows = buffer.tensor.view(halves * chunk_blocks, slot_bytes)
-        self.array = self.rows.numpy()
-        self._chunk = chunk_blocks
-        self._free = list(range(halves))
+    def __init__(self, rows: torch.Tensor, halves: Sequence[Sequence[int]]) -> None:
+        self.rows = rows
+        """The ``uint8[rows, slot_bytes]`` memory the halves are rows of."""
+        self.array = rows.numpy()
+        self._halves = [list(h) for h in halves]
+        self.chunk_blocks = min(len(h) for h in self._halves)
+        """Rows per half: the most blocks one chunk through this pool may have."""
+        self._free = list(range(len(self._halves)))
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
 
+    @classmethod
+    def of_buffer(cls, buffer: HostBuffer, chunk_blocks: int, slot_bytes: int) -> BouncePool:
+        """Two halves of ``chunk_blocks`` slots each in ``buffer``."""
+        return cls(buffer.tensor.view(2 * chunk_blocks, slot_bytes), [range(chunk_blocks), range(chunk_blocks, 2 * chunk_blocks)])
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, free_rows: Sequence[int], chunk_blocks: int) -> BouncePool:
+        """Up to two halves of up to ``chunk_blocks`` rows each among ``free_rows`` (at least one) of ``rows``:
+        a store's own host slots, used to stage its blocks on their way to disk."""
+        free_rows = sorted(free_rows)
+        per_half = max(1, min(chunk_blocks, len(free_rows) // 2))
+        halves = [free_rows[i : i + per_half] for i in range(0, min(2 * per_half, len(free_rows)), per_half)]
+        return cls(rows, halves)
+
     def rows_of(self, half: int, n: int) -> list[int]:
-        """Row numbers of the first ``n`` slots of ``half``."""
-        return list(range(half * self._chunk, half * self._chunk + n))
+        """Row numbers of the first ``n`` rows of ``half``."""
+        return self._halves[half][:n]
 
     async def acquire(self) -> int:
         """Take a free half, waiting for one if needed."""
@@ -139,9 +158,9 @@ class DiskTier:
         except BaseException:
             self.close()
             raise
-        self._load_pool = BouncePool(self._bounce[0], 2, chunk_blocks, layout.slot_bytes)
+        self._load_pool = BouncePool.of_buffer(self._bounce[0], chunk_blocks, layout.slot_bytes)
         if store_bounce:
-            self._store_pool = BouncePool(self._bounce[1], 2, chunk_blocks, layout.slot_bytes)
+            self._store_pool = BouncePool.of_buffer(self._bounce[1], chunk_blocks, layout.slot_bytes)
 
     # -- raw IO between host rows and disk slots ------------------------------------
 
@@ -157,21 +176,25 @@ class DiskTier:
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
-    async def store(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
+    async def store(
+        self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None], through: BouncePool | None = None,
+    ) -> None:
         """Copy cache blocks to disk slots (``(block id, slot)``) on the store worker's loop; ``landed(n)``
         after each chunk is on disk.
 
         Chunk N is copied into a free bounce half while the IO threads write
-        chunk N-1 from another; a half is freed when its write has ended.
+        chunk N-1 from another; a half is freed when its write has ended. The
+        halves are those of ``through`` (say, host slots the store owns), else
+        the disk tier's store bounce buffer.
         """
-        pool = self._store_pool
+        pool = through if through is not None else self._store_pool
         assert pool is not None, "disk-only stores need the store bounce buffer"
         worker = self.workers.store
         writes: deque[tuple[IoBatch, int]] = deque()
         half: int | None = None
         event: Any = None
         try:
-            for chunk in chunked(pairs, self.chunk_blocks):
+            for chunk in chunked(pairs, pool.chunk_blocks):
                 while writes and writes[0][0].done():  # report what landed meanwhile
                     await writes[0][0].wait()
                     landed(writes.popleft()[1])

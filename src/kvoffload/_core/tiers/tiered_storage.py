@@ -3,8 +3,10 @@
 A store reserves slots in the store tier (host memory if it has slots, else
 disk). If that takes spilling least-recently-used host entries to disk, the
 store first writes them out (they stay loadable from host memory meanwhile),
-then copies its own blocks, publishing each chunk as it lands. A load pins each
-key's current copy and reads host-resident keys and disk-resident keys in turn.
+then copies its own blocks, publishing each chunk as it lands. A store larger
+than the host slots it can have sends its first blocks to disk slots, staged
+in the host slots its last blocks then take. A load pins each key's current
+copy and reads host-resident keys and disk-resident keys in turn.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
 from ..stats import TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
-from .disk import DiskTier
+from .disk import BouncePool, DiskTier
 from .host import HostTier, chunked
 
 __all__ = ["TieredStorage", "StorePlan", "LoadPlan"]
@@ -148,7 +150,8 @@ class TieredStorage:
     cache's copies are enqueued whole in the caller's thread, before ``store()``
     or ``load()`` returns, so they run with no Python step between chunks
     however busy the caller's or the worker's thread. The rest (spills, the
-    disk tier) runs as a task on the worker's loop.
+    disk tier, a store larger than the host slots it can have) runs as a task
+    on the worker's loop.
     """
 
     def __init__(
@@ -246,26 +249,37 @@ class TieredStorage:
     def start_store(self, transfer: Transfer, hand_over: HandOver, plan: StorePlan, after: Any) -> None:
         """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
         requests = None
-        if self.index.store_tier == HOST and not plan.reservation.spills:
+        if not plan.reservation.to_disk and not plan.reservation.spills:
             assert self.host is not None
             requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
         self._start(self.workers.store, transfer, hand_over, plan, requests, after, functools.partial(self._run_store, plan))
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
-        """Spill what must make room, then copy the blocks, publishing chunk by chunk."""
+        """Spill what must make room, then copy the blocks, publishing chunk by chunk: first those
+        with disk slots, then those with host slots."""
         plan.taken = time.perf_counter()
         if after is not None:
             self.workers.store.copier.wait_for(after)
         if plan.reservation.spills:
             await self._spill(plan)
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
-        if self.index.store_tier == HOST:
-            assert self.host is not None
-            await self.host.copy_in(pairs, plan.publish)
-        else:
+        to_disk = plan.reservation.to_disk
+        if to_disk:
             assert self.disk is not None
-            await self.disk.store(pairs, plan.publish)
+            await self.disk.store(pairs[:to_disk], plan.publish, self._staging(pairs[to_disk:]))
+        if to_disk < len(pairs):
+            assert self.host is not None
+            await self.host.copy_in(pairs[to_disk:], plan.publish)
         return plan.result()
+
+    def _staging(self, host_pairs: list[tuple[int, int]]) -> BouncePool | None:
+        """Where a store's disk-bound blocks are staged: with a host tier, the host slots of its last
+        blocks (``(block id, slot)`` pairs), which it owns and no load reads once its spills are done
+        and which it writes only after its disk-bound blocks are on disk; else the disk tier's bounce
+        buffer (None)."""
+        if self.host is None:
+            return None
+        return BouncePool.of_rows(self.host.rows, [slot for _, slot in host_pairs], self.chunk_blocks)
 
     async def _spill(self, plan: StorePlan) -> None:
         """Write the victims to disk, then wait until no load reads the host slots their heirs take."""
