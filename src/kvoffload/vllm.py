@@ -691,7 +691,13 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             end = job.next + self.store_limit
             try:
                 transfer = self.offloader.store(dict(job.blocks[job.next:end]), after=job.after)
-            except CapacityError:  # running loads (or stores) hold the slots: wait for one to end
+            except CapacityError as e:
+                if e.requested > e.capacity:  # can never fit: a bug of the sizes, not a wait (never expected here)
+                    with self._lock:
+                        self._stores.popleft()
+                    self._report(job.job_id, "store", False, job.started)
+                    continue
+                # running loads (or stores) hold the slots: wait for one to end
                 if not job.waited:
                     job.waited = True
                     with self._lock:
