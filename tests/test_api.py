@@ -17,7 +17,7 @@ from conftest import block_bytes, random_caches
 
 def test_public_names_importable():
     for name in ["Offloader", "Transfer", "TransferResult", "OffloadError", "TransferError", "CapacityError",
-                 "MissingKeysError", "ClosedError", "OffloaderStats", "BlockLayout"]:
+                 "MissingKeysError", "ClosedError", "OffloaderStats", "BlockLayout", "Lease"]:
         assert hasattr(kvoffload, name)
     assert issubclass(kvoffload.MissingKeysError, KeyError)
     for e in (kvoffload.TransferError, kvoffload.CapacityError, kvoffload.MissingKeysError, kvoffload.ClosedError):

@@ -19,13 +19,14 @@ from ._core.errors import (
     TransferError,
 )
 from ._core.layout import BlockLayout
-from ._core.offloader import Offloader, OffloaderStats
+from ._core.offloader import Lease, Offloader, OffloaderStats
 from ._core.options import Options
 from ._core.stats import LatencyHistogram
 from ._core.transfer import Transfer, TransferResult
 
 __all__ = [
     "Offloader",
+    "Lease",
     "Options",
     "OffloaderStats",
     "LatencyHistogram",

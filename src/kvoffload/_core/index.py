@@ -46,12 +46,20 @@ Slots
     step when its bytes are on disk: it becomes the slot of the store's new
     entry (the *heir*), which writes it only after its last reader is gone
     (:meth:`BlockIndex.when_unread`).
+
+Holds
+    A lease (:meth:`BlockIndex.hold`) pins its hits as a load does, so no store evicts or spills
+    them, until it is released, a load takes its pins over (:meth:`BlockIndex.pin`'s ``taking``),
+    or its deadline passes: expired holds are given back at the start of the next lookup, hold,
+    pin, reserve or count.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -103,7 +111,7 @@ class Spill:
 
 @dataclass(eq=False)
 class Pin:
-    """A load's hold on one entry's copy: the slot it reads."""
+    """A load's or a lease's hold on one entry's copy: the slot it reads (or will)."""
 
     entry: Entry
     tier: int
@@ -287,6 +295,13 @@ class BlockIndex:
         self.evicted = 0
         self.evicted_by_tier = [0, 0]
         self.spilled = 0
+        self._holds: list[tuple[float, int, list[Pin]]] = []
+        """Heap of (deadline, sequence number, pins) of the holds taken by :meth:`hold`, earliest first."""
+        self._next_expiry = float("inf")
+        """The earliest deadline in ``_holds`` (read without the lock: a float is read in one step)."""
+        self._holds_taken = 0
+        self._released_later: list[list[Pin]] = []
+        """Pins of leases the garbage collector took (:meth:`release_later`), given back at the next call."""
 
     @property
     def store_tier(self) -> int:
@@ -296,26 +311,30 @@ class BlockIndex:
     # -- queries ------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
-        """How many leading keys are visible (in any tier)."""
+        """How many leading keys are visible (in any tier); each of them becomes most recently used."""
         keys = list(keys)  # the caller's iterable runs here, not under the lock
+        self._expire_holds()
         if _all_native(keys):
             with self._lock:
                 if not self._stand_ins:  # the common case: each key found by its own lookup, up to the first miss
-                    entries, n = self._entries, 0
+                    entries, tiers, n = self._entries, self._tiers, 0
                     for key in keys:
                         e = entries.get(key)
                         if e is None or e.state not in _VISIBLE:
                             break
                         n += 1
+                        tiers[e.tier].lru.move_to_end(key)
                     return n
         return self._under_lock(keys, lambda items, found: self._visible_prefix(found), up_to_invisible=True)
 
     def _visible_prefix(self, found: list[Entry | None]) -> int:
+        """Under the lock: how many leading ``found`` are visible, each made most recently used."""
         n = 0
         for e in found:
-            if not self._visible(e):
+            if e is None or e.state not in _VISIBLE:
                 break
             n += 1
+            self._tiers[e.tier].lru.move_to_end(e.index_key)
         return n
 
     def __contains__(self, key: Hashable) -> bool:
@@ -412,6 +431,7 @@ class BlockIndex:
 
     def counts(self) -> dict[str, int]:
         """Snapshot of slot use per tier and of entry states."""
+        self._expire_holds()
         with self._lock:
             host, disk = self._tiers
             states = [e.state for e in self._entries.values()]
@@ -482,6 +502,7 @@ class BlockIndex:
         """
         keys = list(keys)
         r = Reservation([], [], []) if into is None else into
+        self._expire_holds()  # expired holds make room first
         if _all_native(keys):
             with self._lock:
                 if not self._stand_ins:  # the common case: each key found by its own lookup
@@ -598,7 +619,7 @@ class BlockIndex:
             )
             if not room[HOST][1] + room[HOST][2]:
                 note = " (blocks bound for disk go through host slots: a store needs at least one)"
-        return CapacityError(f"{msg}; the rest are in use by running transfers{note}", requested=n, capacity=capacity)
+        return CapacityError(f"{msg}; the rest are in use by running transfers or held by leases{note}", requested=n, capacity=capacity)
 
     def _undo_reserve(self, victims: list[Entry], evicted: list[Entry], entries: list[Entry]) -> None:
         """Under the lock, after an exception cut :meth:`_reserve` short: the new entries go, every victim
@@ -726,27 +747,45 @@ class BlockIndex:
 
     # -- load side ------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[Hashable], into: list[Pin] | None = None) -> list[Pin]:
+    def pin(
+        self, keys: Sequence[Hashable], into: list[Pin] | None = None, taking: Sequence[Pin | None] | None = None,
+    ) -> list[Pin]:
         """Pin the current copy of each key for a load (each becomes most recently used).
 
-        Raises :class:`MissingKeysError`, pinning nothing, if any key is not visible. The pins are
-        appended to ``into`` as they are taken (:attr:`Pin.held`), so that a caller an interrupt stops
-        anywhere can give back exactly what it holds (:meth:`unpin` skips pins not held).
+        ``taking[i]``, where given and still held (a lease's pin of ``keys[i]``, :meth:`hold`), is not
+        pinned again: its hold passes to the new pin, on the copy it holds, even if the key was
+        discarded since. Raises :class:`MissingKeysError`, pinning and taking nothing, if any other key
+        is not visible. The pins are appended to ``into`` as they are taken (:attr:`Pin.held`), so that
+        a caller an interrupt stops anywhere can give back exactly what it holds (:meth:`unpin` skips
+        pins not held).
         """
         keys = list(keys)
         out: list[Pin] = [] if into is None else into
-        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out))
+        self._expire_holds()
+        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out, taking))
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
         return pins
 
-    def _pin(self, keys: list[Hashable], found: list[Entry | None], pins: list[Pin]) -> tuple[list[Pin], list[Hashable]]:
+    def _pin(
+        self, keys: list[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
+    ) -> tuple[list[Pin], list[Hashable]]:
         """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not visible."""
-        missing = [k for k, e in zip(keys, found) if not self._visible(e)]
+        held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
+        missing = [k for k, e, h in zip(keys, found, held) if not h and not self._visible(e)]
         if missing:
             return pins, missing
+        moved: list[tuple[Pin, Pin]] = []
         try:
-            for e in found:
+            for i, e in enumerate(found):
+                if held[i]:
+                    old = taking[i]  # type: ignore[index]  # held[i] only where taking[i] is a pin
+                    assert old is not None
+                    p = Pin(old.entry, old.tier, old.slot)
+                    moved.append((p, old))
+                    pins.append(p)
+                    p.held, old.held = True, False  # one step: the hold passes from the lease to the load
+                    continue
                 assert e is not None
                 tier = self._tiers[e.tier]
                 p = Pin(e, e.tier, e.slot)
@@ -755,7 +794,10 @@ class BlockIndex:
                 e.loads += 1
                 p.held = True
                 tier.lru.move_to_end(e.index_key)
-        except BaseException:  # an interrupt: give back what was pinned so far
+        except BaseException:  # an interrupt: give back what was pinned so far, and taken holds to their lease
+            for p, old in moved:
+                if p.held:
+                    p.held, old.held = False, True
             for p in pins:
                 if p.held:
                     p.held = False
@@ -764,23 +806,98 @@ class BlockIndex:
             raise
         return pins, missing
 
-    def unpin(self, pins: Iterable[Pin]) -> None:
-        """Release pins taken by :meth:`pin`."""
-        ready: list[Callable[[], object]] = []
+    def hold(self, keys: Iterable[Hashable], into: list[Pin], hold_s: float) -> int:
+        """Pin the current copy of each leading visible key (a lease; each becomes most recently used)
+        until :meth:`unpin` or, at the latest, the first call on the index ``hold_s`` seconds from now.
+
+        Returns how many keys lead (what :meth:`lookup` returns). The pins are appended to ``into`` as
+        they are taken, as :meth:`pin` does; :meth:`pin` takes them over for a load (``taking``).
+        """
+        keys = list(keys)
+        self._expire_holds()
+        return self._under_lock(keys, lambda items, found: self._hold(found, into, time.monotonic() + hold_s), up_to_invisible=True)
+
+    def _hold(self, found: list[Entry | None], pins: list[Pin], deadline: float) -> int:
+        """:meth:`hold`, under the lock."""
+        n = 0
+        for e in found:
+            if e is None or e.state not in _VISIBLE:
+                break
+            n += 1
+        if not n:
+            return 0
+        self._holds_taken += 1
+        heapq.heappush(self._holds, (deadline, self._holds_taken, pins))  # first: an interrupt below leaves
+        self._next_expiry = self._holds[0][0]  # a hold that expires, never one held for good
+        self._pin([e.key for e in found[:n] if e is not None], found[:n], pins)
+        return n
+
+    def _expire_holds(self) -> None:
+        """Give back the holds whose deadline has passed (cheap while none has)."""
+        now = time.monotonic()
+        if self._next_expiry > now:
+            return
+        holds, later = self._holds, self._released_later
         with self._lock:
-            for p in pins:
-                if not p.held:
-                    continue
-                p.held = False
-                tier = self._tiers[p.tier]
-                tier.readers[p.slot] -= 1
-                p.entry.loads -= 1
-                if not tier.readers[p.slot]:
-                    self._release(p.tier, p.slot, None)
-                    if p.tier == HOST:
-                        ready += self._unread_waiters.pop(p.slot, [])
+            while holds and holds[0][0] <= now:
+                later.append(holds[0][2])  # first: an interrupt between these two leaves it in both, never in neither
+                heapq.heappop(holds)
+            due = later[:]
+        # Unpinning is idempotent: until the step below, an interrupt anywhere leaves the due pins listed (and
+        # _next_expiry passed) for the next call to give back.
+        self.unpin(chain.from_iterable(due))
+        with self._lock:
+            done = {id(pins) for pins in due}
+            for i in range(len(later) - 1, -1, -1):  # by position: release_later() appends meanwhile, lock-free
+                if id(later[i]) in done:
+                    del later[i]
+            self._next_expiry = float("-inf") if later else holds[0][0] if holds else float("inf")
+
+    def release_later(self, pins: list[Pin]) -> None:
+        """Give ``pins`` back at the start of the next call on the index. Takes no lock: safe in a
+        garbage collector's finalizer, which may run while this very thread holds the index's lock."""
+        self._next_expiry = float("-inf")  # first: no thread switch comes between these two
+        self._released_later.append(pins)
+
+    def unpin(self, pins: Iterable[Pin]) -> None:
+        """Release pins taken by :meth:`pin` or :meth:`hold` (those still held: each goes back once).
+
+        A lease releases its pins in the caller's thread: an interrupt (a signal handler's
+        ``KeyboardInterrupt``) anywhere in here loses no slot and no waiter; the pins it did not
+        reach stay held (unpin them again)."""
+        ready: list[Callable[[], object]] = []
+        interrupted: BaseException | None = None
+        with self._lock:
+            try:
+                for p in pins:
+                    if not p.held:
+                        continue
+                    p.held = False
+                    tier = self._tiers[p.tier]
+                    tier.readers[p.slot] -= 1  # these three in one step: no call, no jump between them
+                    p.entry.loads -= 1
+                    if not tier.readers[p.slot]:
+                        self._release(p.tier, p.slot, None)
+                        waiting = self._unread_waiters.get(p.slot) if p.tier == HOST else None
+                        if waiting is not None:
+                            ready += waiting  # these two in one step
+                            del self._unread_waiters[p.slot]
+            except BaseException as e:
+                interrupted = e
+                self._repair_after_interrupt(ready)
         for callback in ready:
             callback()
+        if interrupted is not None:
+            raise interrupted
+
+    def _repair_after_interrupt(self, ready: list[Callable[[], object]]) -> None:
+        """Under the lock, after an interrupt cut :meth:`unpin` short: the free lists are rebuilt from
+        slot ownership and readers, and heirs waiting for a host slot nobody reads are added to ``ready``."""
+        for tier in self._tiers:
+            tier.free = [s for s in range(tier.size - 1, -1, -1) if tier.owner[s] is None and not tier.readers[s]]
+        host = self._tiers[HOST]
+        for slot in [s for s in self._unread_waiters if not host.readers[s]]:
+            ready += self._unread_waiters.pop(slot)
 
     # -- removal --------------------------------------------------------------------
 

@@ -8,13 +8,14 @@ import os
 import threading
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 
 from .deadline import Deadline, check_timeout
 from .errors import ClosedError, CloseError, StartError
 from .helper_threads import HelperThread, run_off_loop
+from .index import BlockIndex, Pin
 from .layout import BlockLayout, check_block_mapping
 from .options import Options, TierSlots, format_size
 from .runtime import Runtime, finalize_runtime, process_generation
@@ -22,9 +23,52 @@ from .stats import OffloaderStats, TierCounts, TransferCounters
 from .tiers.tiered_storage import TieredStorage
 from .transfer import Transfer, TransferResult
 
-__all__ = ["Offloader", "OffloaderStats"]
+__all__ = ["Offloader", "OffloaderStats", "Lease"]
 
 log = logging.getLogger("kvoffload")
+
+
+class Lease:
+    """The leading hits of ``Offloader.lookup(keys, hold=True)``, held until a load takes them.
+
+    While the lease holds them, no store evicts or spills the hits' copies, and ``discard`` forgets
+    them (they are no longer found) without taking their bytes from the lease's load. Pass the lease
+    to ``Offloader.load(blocks, lease=lease)``: the load takes over the holds of the keys it loads and
+    the lease releases the others. A lease not loaded is released by :meth:`release`, by leaving its
+    ``with`` block, when it is garbage-collected, or ``hold_s`` seconds after the lookup (at the next
+    call on the offloader). Held hits count in ``stats().pinned``.
+    """
+
+    __slots__ = ("count", "keys", "_index", "_pins", "__weakref__")
+
+    def __init__(self, index: BlockIndex) -> None:
+        self._index = index
+        self._pins: list[Pin] = []
+        """Filled by :meth:`BlockIndex.hold` pin by pin; the pin of ``keys[i]`` is ``_pins[i]``."""
+        # Collected (maybe by the cycle collector, while this thread is inside the index): released at the next call.
+        weakref.finalize(self, index.release_later, self._pins).atexit = False
+        self.count = 0
+        """How many leading keys were stored at the lookup (what ``lookup(keys)`` returns)."""
+        self.keys: tuple[Hashable, ...] = ()
+        """Those keys, as the lookup was given them."""
+
+    def release(self) -> None:
+        """Give back the holds not taken by a load (idempotent, from any thread: each pin goes back once)."""
+        self._index.unpin(self._pins)
+
+    def _taking(self, keys: Iterable[Hashable]) -> list[Pin | None]:
+        """The lease's pin of each of ``keys`` (None where it has none); runs the keys' own methods."""
+        mine = dict(zip(self.keys, self._pins))
+        return [mine.get(k) for k in keys]
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<kvoffload.Lease of {self.count} hits>"
 
 
 class Offloader:
@@ -305,7 +349,7 @@ class Offloader:
 
     def load(
         self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None, per_tensor: bool = False,
-        expedited: bool = False,
+        expedited: bool = False, lease: Lease | None = None,
     ) -> Transfer:
         """Copy stored blocks into cache blocks; returns a running :class:`Transfer`.
 
@@ -318,14 +362,25 @@ class Offloader:
         elsewhere each tensor is ready with the whole load). ``expedited=True`` (every key
         in host memory, and the offloader made with ``expedited_loads=True``) runs the load on
         a worker and streams of its own, at a higher priority, so a small load the caller waits
-        for does not queue behind bulk loads; otherwise it runs as any load. Raises
-        :class:`MissingKeysError` if a key is not stored, ``TypeError`` /
-        ``ValueError`` on bad arguments; then nothing is queued.
+        for does not queue behind bulk loads; otherwise it runs as any load. ``lease`` (from
+        ``lookup(keys, hold=True)``): the load reads the copies the lease holds (even of keys
+        discarded since) and releases the lease's other keys; keys it does not hold (or no longer:
+        released or expired) are pinned as usual. Raises :class:`MissingKeysError` if a key is not
+        stored, ``TypeError`` / ``ValueError`` on bad arguments; then nothing is queued and the
+        lease is kept.
         """
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True)
         self._check_after(after)
+        if lease is not None and not isinstance(lease, Lease):
+            raise TypeError(f"lease must be a kvoffload.Lease from lookup(keys, hold=True), got {type(lease).__name__}")
         with self._call() as storage:
-            return storage.load(checked, after, per_tensor, expedited)
+            if lease is None:
+                return storage.load(checked, after, per_tensor, expedited)
+            if lease._index is not storage.index:
+                raise ValueError("the lease is from another offloader")
+            transfer = storage.load(checked, after, per_tensor, expedited, lease._taking(checked))
+        lease.release()  # its keys not loaded
+        return transfer
 
     def _check_after(self, after: object) -> None:
         if after is None:
@@ -337,15 +392,37 @@ class Offloader:
 
     # -- index ----------------------------------------------------------------------
 
-    def lookup(self, keys: Iterable[Hashable]) -> int:
-        """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length).
+    @overload
+    def lookup(self, keys: Iterable[Hashable], *, hold: Literal[False] = False, hold_s: float = 30.0) -> int: ...
 
-        ``TypeError`` for a ``str``, ``bytes``, ``bytearray`` or ``memoryview``: one key, not an
-        iterable of keys (``lookup([key])``)."""
+    @overload
+    def lookup(self, keys: Iterable[Hashable], *, hold: Literal[True], hold_s: float = 30.0) -> Lease: ...
+
+    def lookup(self, keys: Iterable[Hashable], *, hold: bool = False, hold_s: float = 30.0) -> int | Lease:
+        """How many leading ``keys`` are stored, in either tier (a prefix-cache hit length). A lookup
+        is a use: the hits become the most recently used, the last evicted.
+
+        ``hold=True`` returns a :class:`Lease` on those hits instead (``.count`` is the hit length):
+        they stay, neither evicted nor spilled, until a ``load(..., lease=lease)`` takes them, the
+        lease is released, or ``hold_s`` seconds have passed. ``TypeError`` for a ``str``, ``bytes``,
+        ``bytearray`` or ``memoryview``: one key, not an iterable of keys (``lookup([key])``);
+        ``ValueError`` for a ``hold_s`` that is not a number >= 0."""
         _check_not_one_key("lookup", keys)
-        hits = self._running_storage().index.lookup(keys)
-        self._counters.looked_up(hits)
-        return hits
+        index = self._running_storage().index
+        if not hold:
+            hits = index.lookup(keys)
+            self._counters.looked_up(hits)
+            return hits
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)):
+            raise TypeError(f"hold_s must be a number of seconds, got {type(hold_s).__name__}")
+        if not 0 <= hold_s < float("inf"):
+            raise ValueError(f"hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
+        keys = list(keys)
+        lease = Lease(index)  # first: an interrupt in hold() leaves pins that the lease gives back
+        lease.count = index.hold(keys, lease._pins, hold_s)
+        lease.keys = tuple(keys[: lease.count])
+        self._counters.looked_up(lease.count)
+        return lease
 
     def __contains__(self, key: Hashable) -> bool:
         self._check_process()

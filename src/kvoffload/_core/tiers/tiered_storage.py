@@ -304,10 +304,13 @@ class TieredStorage:
 
     # -- load -------------------------------------------------------------------------
 
-    def load(self, blocks: dict[Hashable, int], after: Any, per_tensor: bool, expedited: bool) -> Transfer:
+    def load(
+        self, blocks: dict[Hashable, int], after: Any, per_tensor: bool, expedited: bool, taking: list[Pin | None] | None = None,
+    ) -> Transfer:
         """Pin the stored copy of every key of ``blocks`` (key -> destination block id) and start copying
-        them out; the running transfer. Raises MissingKeysError with nothing pinned. An interrupt
-        anywhere in here leaks nothing (:meth:`_interrupted`)."""
+        them out; the running transfer. ``taking``: a lease's pins to take over, by position in
+        ``blocks`` (:meth:`BlockIndex.pin`). Raises MissingKeysError with nothing pinned or taken. An
+        interrupt anywhere in here leaks nothing (:meth:`_interrupted`)."""
         hand_over = HandOver()
         plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes)
         transfer = Transfer("load", self.tensor_names)
@@ -315,7 +318,7 @@ class TieredStorage:
             if not blocks:
                 self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), transfer)
                 return transfer
-            self.index.pin(list(blocks), plan.pins)
+            self.index.pin(list(blocks), plan.pins, taking)
             self.metrics.started(plan)
             self.start_load(transfer, hand_over, plan, after, per_tensor, expedited)
         except BaseException:
