@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
+import random
+import signal
 import threading
 import time
 
@@ -543,3 +546,45 @@ class Named:
 
     def __repr__(self) -> str:
         return f"Named({self.name!r})"
+
+
+class Interrupter:
+    """Ctrl-C at a random point: :meth:`arm` makes ``SIGALRM`` raise ``KeyboardInterrupt`` once, within
+    ``max_delay_s`` (or not at all, if ``armed`` is set False first: by an assignment, not a call,
+    which would itself be a point where the interrupt lands). One interrupt per arming, as one
+    Ctrl-C: a second one could cut the clean-up of the first short."""
+
+    def __init__(self, seed: int) -> None:
+        self.armed = False
+        self._delays = random.Random(seed)
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def arm(self, max_delay_s: float = 2e-4) -> None:
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, self._delays.uniform(1e-6, max_delay_s))
+
+
+
+@contextlib.contextmanager
+def interrupter(seed: int):
+    """An :class:`Interrupter` whose ``SIGALRM`` handler is installed for the ``with`` block."""
+    ctrl_c = Interrupter(seed)
+    previous = signal.signal(signal.SIGALRM, ctrl_c._interrupt)
+    try:
+        yield ctrl_c
+    finally:
+        ctrl_c.armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def wait_for_transfers_to_end(off: kvoffload.Offloader, timeout: float = HANG_S) -> None:
+    """Wait until ``off`` counts no transfer in flight: those whose handles an interrupt lost end too
+    (there is no handle to wait on)."""
+    deadline = time.monotonic() + timeout
+    while off.stats().in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -4,16 +4,13 @@ in-flight count, and every key that becomes visible holds exactly the bytes stor
 
 from __future__ import annotations
 
-import random
-import signal
-import time
 import traceback
 
 import pytest
 
 import kvoffload
 
-from conftest import block_bytes, random_caches
+from conftest import block_bytes, interrupter, random_caches, wait_for_transfers_to_end
 
 BOUND_S = 30.0
 
@@ -31,46 +28,30 @@ def test_interrupts_anywhere_in_store_and_load_leak_nothing(tmp_path, tiers):
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     disk = {"disk_path": tmp_path / "kv", "disk_blocks": 48} if tiers == "host+disk" else {}
     off = kvoffload.Offloader(caches, host_blocks=16, chunk_bytes=2 * slot, **disk).start()
-    armed = [False]
     landed_in: set[str] = set()
-
-    def interrupt(signum, frame):
-        if armed[0]:  # one interrupt per call, as one Ctrl-C: a second one could cut the clean-up short
-            armed[0] = False
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    delays = random.Random(1)
     interrupted = 0
-    try:
+    with interrupter(seed=1) as ctrl_c:
         for i in range(3000):
             src = [(i * 7 + j) % 32 for j in range(3)]
             keys = {("k", i, b): b for b in src}
             try:
-                armed[0] = True  # an interrupt at a random point of the call (or none, if it ends first)
-                signal.setitimer(signal.ITIMER_REAL, delays.uniform(1e-6, 2e-4))
+                ctrl_c.arm()  # an interrupt at a random point of the call (or none, if it ends first)
                 if i % 3 == 2:  # a load of what is stored now, into the upper half of the cache
                     stored = [k for k in (("k", i - n, (i - n) * 7 % 32) for n in range(1, 12)) if k in off][:4]
                     off.load({k: 32 + n for n, k in enumerate(stored)})
                 else:
                     off.store(keys)
-                armed[0] = False
+                ctrl_c.armed = False
             except KeyboardInterrupt as e:
-                armed[0] = False
+                ctrl_c.armed = False
                 interrupted += 1
                 landed_in |= _kvoffload_frames(e.__traceback__)
             except kvoffload.CapacityError:  # every slot taken by running transfers: not a leak
-                armed[0] = False
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
+                ctrl_c.armed = False
     assert interrupted > 300, interrupted
     assert len(landed_in) >= 20, f"the interrupts landed in too few places: {sorted(landed_in)}"
 
-    deadline = time.monotonic() + BOUND_S  # the transfers whose handles were lost still end
-    while off.stats().in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_transfers_to_end(off, BOUND_S)
     s = off.stats()
     assert (s.in_flight, s.pending, s.pinned, s.spilling) == (0, 0, 0, 0), s
     assert s.host_free + s.host_ready == 16 and s.disk_free + s.disk_ready == s.disk_slots, s

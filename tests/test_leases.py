@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import random
-import signal
-import time
 
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from conftest import block_bytes, interrupter, random_caches, wait_for_transfers_to_end
 
 NUM_BLOCKS = 64
 HOST = 8
@@ -198,23 +195,13 @@ def test_interrupts_anywhere_in_held_lookups_and_their_loads_leak_no_pin(make_of
     caches = random_caches(NUM_BLOCKS, seed=8)
     off = make_offloader(caches, host_blocks=16)
     off.store({("k", b): b for b in range(12)}).result(10)
-    armed = [False]
-
-    def interrupt(signum, frame):
-        if armed[0]:  # one interrupt per round, as one Ctrl-C
-            armed[0] = False
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    delays = random.Random(2)
     interrupted = 0
-    try:
+    with interrupter(seed=2) as ctrl_c:
         for i in range(1500):
             keys = [("k", (i + j) % 12) for j in range(4)]
             lease = load = None
             try:
-                armed[0] = True  # an interrupt at a random point of the round (or none, if it ends first)
-                signal.setitimer(signal.ITIMER_REAL, delays.uniform(1e-6, 2e-4))
+                ctrl_c.arm()  # an interrupt at a random point of the round (or none, if it ends first)
                 lease = off.lookup(keys, hold=True)
                 if i % 3 == 0:
                     off.discard(keys[:1])  # held: forgotten, but still loaded through the lease
@@ -222,9 +209,9 @@ def test_interrupts_anywhere_in_held_lookups_and_their_loads_leak_no_pin(make_of
                     load = off.load({k: 32 + n for n, k in enumerate(lease.keys)}, lease=lease)
                 if lease is not None:
                     lease.release()
-                armed[0] = False
+                ctrl_c.armed = False
             except KeyboardInterrupt:
-                armed[0] = False
+                ctrl_c.armed = False
                 interrupted += 1
             if lease is not None:
                 lease.release()  # what an interrupt cut short, finished
@@ -232,16 +219,9 @@ def test_interrupts_anywhere_in_held_lookups_and_their_loads_leak_no_pin(make_of
                 load.result(10)
             if keys[0] not in off:
                 off.store({keys[0]: keys[0][1]}).result(10)
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
     assert interrupted > 100, interrupted
     gc.collect()
-    for _ in range(1000):  # loads whose handles an interrupt lost still end
-        if not off.stats().in_flight:
-            break
-        time.sleep(0.01)
+    wait_for_transfers_to_end(off)
     s = off.stats()
     assert (s.in_flight, s.pinned) == (0, 0), s
     assert_index_sound(off)
