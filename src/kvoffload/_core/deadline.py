@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["Deadline", "check_timeout"]
+__all__ = ["Deadline", "check_seconds", "check_timeout"]
 
 
 class Deadline:
@@ -26,12 +26,20 @@ class Deadline:
         return -1 if left is None else left
 
 
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as a duration in seconds: a finite real number >= 0; else ``TypeError``/``ValueError``
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not value >= 0 or value == float("inf"):  # also refuses nan
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def check_timeout(timeout: object) -> float | None:
-    """``timeout`` as close() takes it: seconds (a real number >= 0) or None (no limit); else TypeError/ValueError."""
+    """``timeout`` as close() takes it: seconds (:func:`check_seconds`) or None (no limit)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
-    if not timeout >= 0 or timeout == float("inf"):  # also refuses nan
-        raise ValueError(f"timeout must be a finite number of seconds >= 0 (or None: no limit), got {timeout!r}")
-    return float(timeout)
+    return check_seconds("timeout (or None: no limit)", timeout)

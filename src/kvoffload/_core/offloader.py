@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .deadline import Deadline, check_timeout
+from .deadline import Deadline, check_seconds, check_timeout
 from .errors import ClosedError, CloseError, StartError
 from .helper_threads import HelperThread, run_off_loop
 from .index import BlockIndex, Pin
@@ -413,10 +413,7 @@ class Offloader:
             hits = index.lookup(keys)
             self._counters.looked_up(hits)
             return hits
-        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)):
-            raise TypeError(f"hold_s must be a number of seconds, got {type(hold_s).__name__}")
-        if not 0 <= hold_s < float("inf"):
-            raise ValueError(f"hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
+        hold_s = check_seconds("hold_s", hold_s)
         keys = list(keys)
         lease = Lease(index)  # first: an interrupt in hold() leaves pins that the lease gives back
         lease.count = index.hold(keys, lease._pins, hold_s)
