@@ -123,6 +123,10 @@ class Offloader:
         io_threads: int = 4,
         use_page_cache: bool = False,
         expedited_loads: bool = False,
+        promote: bool = True,
+        persist: bool = False,
+        fingerprint: str | bytes | None = None,
+        verify: bool = False,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
@@ -133,7 +137,7 @@ class Offloader:
             disk_blocks=disk_blocks, disk_bytes=disk_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
             chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
             gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
-            expedited_loads=expedited_loads,
+            expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
         )
         self._slots: TierSlots = self._options.tier_slots(self._layout.slot_bytes)
         if self._options.host_blocks is None and self._options.host_bytes is None:
@@ -471,6 +475,12 @@ class Offloader:
                 disk_bytes_read=tiers.disk_bytes_read,
                 disk_io_errors=tiers.disk_io_errors,
                 bytes_stored_partially=k.bytes_stored_partially,
+                host_pending=tiers.host_pending,
+                disk_pending=tiers.disk_pending,
+                promoted=tiers.promoted,
+                recovered=tiers.recovered,
+                dropped_at_open=tiers.dropped_at_open,
+                checksum_failures=tiers.checksum_failures,
                 latency=k.latency(),
             )
 

@@ -114,6 +114,23 @@ class Options:
     measured, where a one-block load run between the chunks of a bulk load on the load worker
     takes 0.4 ms); expedited loads there take the load worker."""
 
+    promote: bool = True
+    """A load of disk-resident keys leaves a copy of them in free host slots (never evicting
+    anything for it), so a hot prefix is read from host memory next time. Off where an external
+    manager owns the capacity (the vLLM backend)."""
+    persist: bool = False
+    """Keep the disk file across restarts: every slot is written with a header (key, length, cache
+    identity, sequence number, CRC32C of the payload), an index checkpoint is written in the
+    background and at close, and a later offloader with the same cache identity at the same
+    ``disk_path`` finds the entries again (see the README's *Persistence* section). Keys must be
+    ``bytes``, ``str`` or ``int``. Without it the disk file never outlives the process."""
+    fingerprint: str | bytes | None = None
+    """With ``persist``: the model's identity (a weights hash, a name and revision), part of the cache
+    identity, so that a restarted offloader never serves blocks another model computed."""
+    verify: bool = False
+    """Check the CRC32C of every slot read from disk (computed on the IO threads); a slot that fails
+    fails its load with ``TransferError`` and is dropped. Needs ``persist``."""
+
     def __post_init__(self) -> None:
         for tier in ("host", "disk"):
             blocks, size = f"{tier}_blocks", f"{tier}_bytes"
@@ -151,7 +168,14 @@ class Options:
             raise ValueError(f"copy_engine must be 'kernel' or 'dma', got {self.copy_engine!r}")
         if self.completion not in ("thread", "poll"):
             raise ValueError(f"completion must be 'thread' or 'poll', got {self.completion!r}")
-        for name in ("use_batch_copy", "use_page_cache", "expedited_loads"):
+        if self.fingerprint is not None and not isinstance(self.fingerprint, (str, bytes)):
+            raise TypeError(f"fingerprint must be a str, bytes or None, got {type(self.fingerprint).__name__}")
+        for flag in ("fingerprint", "verify"):
+            if getattr(self, flag) not in (None, False) and not self.persist:
+                raise ValueError(f"{flag} needs persist=True (it belongs to the persistent disk tier)")
+        if self.persist and self.disk_path is None:
+            raise ValueError("persist=True needs a disk tier: give disk_path and disk_bytes (or disk_blocks)")
+        for name in ("use_batch_copy", "use_page_cache", "expedited_loads", "promote", "persist", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 

@@ -93,6 +93,20 @@ class OffloaderStats:
     """Disk IO calls that raised or moved fewer bytes than asked."""
     bytes_stored_partially: int = 0
     """Bytes of keys published by stores that then failed or were cancelled (chunks that landed stay stored)."""
+    host_pending: int = 0
+    disk_pending: int = 0
+    """``pending``, by the tier the running stores write."""
+    promoted: int = 0
+    """Disk-resident keys a load left a copy of in host memory (``promote=True``)."""
+    recovered: int = 0
+    """Entries found again in a persistent disk file when the offloader started (``persist=True``)."""
+    dropped_at_open: int = 0
+    """Slots of a persistent disk file whose header or checksum did not verify when the offloader
+    started: torn or stale writes, never served."""
+    checksum_failures: int = 0
+    """Disk slots whose CRC32C did not match when loaded (``verify=True``): each failed its load."""
+    gpu_staging_bytes: int = 0
+    """GPU memory kvoffload holds for staging copies (GPU caches with ``copy_engine="kernel"``)."""
     latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict, repr=False)
     """Per ``(kind, outcome, phase)``: kind ``store`` or ``load``; outcome ``done``, ``failed`` or
     ``cancelled``; phase ``queue`` (from the call until a worker took the transfer: GPU transfers
@@ -116,12 +130,20 @@ class TierCounts:
     disk_bytes_written: int = 0
     disk_bytes_read: int = 0
     disk_io_errors: int = 0
+    host_pending: int = 0
+    disk_pending: int = 0
+    promoted: int = 0
+    recovered: int = 0
+    dropped_at_open: int = 0
+    checksum_failures: int = 0
 
     def retired(self) -> TierCounts:
         """These counts once the tiers are gone: the counters kept, every slot and entry gone."""
         return TierCounts(
             evicted_host=self.evicted_host, evicted_disk=self.evicted_disk, spilled=self.spilled,
             disk_bytes_written=self.disk_bytes_written, disk_bytes_read=self.disk_bytes_read, disk_io_errors=self.disk_io_errors,
+            promoted=self.promoted, recovered=self.recovered, dropped_at_open=self.dropped_at_open,
+            checksum_failures=self.checksum_failures,
         )
 
 
