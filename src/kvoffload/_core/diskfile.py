@@ -1,10 +1,10 @@
 """The disk tier's file: opened safely, space reserved up front, O_DIRECT vectored IO.
 
-Blocks encode user prompts, so the file is created fresh and private: a planted
-symlink or a stale regular file at the path is unlinked (anything else there,
-or a file another offloader holds, is refused: :func:`clear_path`), then the
-file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, locked
-with ``flock`` at once, and unlinked on close.
+Blocks encode user prompts, so the file is private. Without persistence it never has a
+name (``O_TMPFILE``; or created, locked and unlinked at once): it cannot outlive the
+process, whatever ends it. A persistent file is reopened only if it is a regular file of
+this user, mode 0600, that no live offloader holds; else it is created with ``O_CREAT |
+O_EXCL | O_NOFOLLOW`` and mode 0600. Either is locked with ``flock`` at once.
 
 IO goes through :attr:`DiskFile.io` (``pwritev`` / ``preadv``), the one seam
 tests use to inject faults, called through :func:`~.foreign.call_foreign`.
@@ -54,11 +54,28 @@ class IoCalls:
 
 
 class DiskFile:
-    """A private file of ``nbytes`` for block slots, O_DIRECT unless ``use_page_cache``."""
+    """A private file of ``nbytes`` for block slots, O_DIRECT unless ``use_page_cache``.
 
-    def __init__(self, path: str | os.PathLike[str], nbytes: int, *, use_page_cache: bool = False) -> None:
+    Without ``persistent`` the file never has a name: it is created with ``O_TMPFILE`` in the
+    directory of ``path`` (where the file system has no ``O_TMPFILE``: created at ``path``, locked
+    and unlinked at once), so it is gone with the process however the process ends, and nothing
+    at ``path`` is read, reused or removed. With ``persistent`` the file at ``path`` is opened if
+    it is there (refused unless a regular file of this user with no permission for others, that
+    no live offloader holds: :func:`open_existing`) and created otherwise (``O_EXCL |
+    O_NOFOLLOW``, mode 0600); it is locked with ``flock`` and kept on close. :attr:`existed` says
+    which; the file is extended to ``nbytes`` (never shrunk: see :meth:`resize`).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], nbytes: int, *, use_page_cache: bool = False, persistent: bool = False,
+    ) -> None:
         self.path = os.fspath(path)
         self.nbytes = nbytes
+        self.persistent = persistent
+        self.existed = False
+        """A persistent file that was there already (its contents are the caller's to check)."""
+        self.named = persistent
+        """The file has a name (``path``) while open: persistent files only."""
         self.io = IoCalls()
         self.fd = -1
         self._counts_lock = threading.Lock()
@@ -66,19 +83,46 @@ class DiskFile:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory of disk_path does not exist", parent)
-        clear_path(self.path)
         want_direct = not use_page_cache and O_DIRECT != 0
-        self.fd, self.direct = self._open(want_direct)
+        if persistent:
+            opened = open_existing(self.path, want_direct)
+            self.existed = opened is not None
+            self.fd, self.direct = opened if opened is not None else self._open(want_direct)
+        else:
+            self.fd, self.direct = self._open_unnamed(parent, want_direct)
         try:
-            self._lock()
+            if self.named:
+                self._lock()
             if self.direct and not self._direct_io_works():
                 log.warning("%s: the file system rejects O_DIRECT IO; using buffered IO (page cache)", self.path)
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
                 self.direct = False
             self._reserve()
+            if not persistent and self.named:
+                self.unlink()  # reserved, now nameless: nothing is left behind however the process ends
+                self.named = False
         except BaseException:
             self.close()
             raise
+
+    def _open_unnamed(self, directory: str, direct: bool) -> tuple[int, bool]:
+        """A file with no name in ``directory`` (``O_TMPFILE``); else one created at :attr:`path`
+        (:meth:`_open`), named until it is reserved."""
+        tmpfile = getattr(os, "O_TMPFILE", 0)
+        if tmpfile:
+            flags = os.O_RDWR | os.O_CLOEXEC | tmpfile
+            for d in ((True, False) if direct else (False,)):
+                try:
+                    return os.open(directory, flags | (O_DIRECT if d else 0), 0o600), d
+                except OSError as e:
+                    if e.errno == errno.EINVAL and d:
+                        continue  # perhaps O_DIRECT: try without it
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                        raise
+                    break
+        clear_path(self.path)
+        self.named = True
+        return self._open(direct)
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         """Create the file; returns ``(fd, O_DIRECT in use)``."""
@@ -96,8 +140,8 @@ class DiskFile:
         """Mark the file as ours (``flock``) before anything else is done with it: see :func:`clear_path`."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:  # another offloader, starting now, is replacing what it found at the path
-            raise OffloadError(f"disk_path {self.path!r} was taken over by another kvoffload offloader starting at the same time") from e
+        except BlockingIOError as e:  # another offloader holds it, or is replacing what it found at the path
+            raise OffloadError(f"disk_path {self.path!r} is in use by another kvoffload offloader; close it or choose another path") from e
         except OSError as e:
             if e.errno not in _NO_FLOCK:
                 raise
@@ -106,7 +150,8 @@ class DiskFile:
     def _direct_io_works(self) -> bool:
         buf = mmap.mmap(-1, SLOT_ALIGN)  # page aligned
         try:
-            os.pwritev(self.fd, [buf], 0)
+            if not self.existed:  # a file with contents is only read
+                os.pwritev(self.fd, [buf], 0)
             os.preadv(self.fd, [buf], 0)
             return True
         except OSError as e:
@@ -117,6 +162,8 @@ class DiskFile:
             buf.close()
 
     def _reserve(self) -> None:
+        if self.existed and os.fstat(self.fd).st_blocks * 512 >= self.nbytes:
+            return
         try:
             os.posix_fallocate(self.fd, 0, self.nbytes)
         except OSError as e:
@@ -151,19 +198,47 @@ class DiskFile:
         with self._counts_lock:
             self._counts["bytes_written" if what == "write" else "bytes_read"] += want
 
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` at ``offset`` (both multiples of 4096) through an aligned buffer: bytes past the
+        end of the file read as zeros. For headers and start-up reads, not the hot path."""
+        buf = mmap.mmap(-1, max(nbytes, SLOT_ALIGN))  # page aligned
+        try:
+            done = call_foreign("disk read (preadv)", os.preadv, self.fd, [memoryview(buf)[:nbytes]], offset)
+            return bytes(buf[:done]).ljust(nbytes, b"\0")
+        finally:
+            buf.close()
+
+    def write_bytes(self, data: bytes, offset: int) -> None:
+        """Write ``data`` (a multiple of 4096 bytes) at ``offset`` through an aligned buffer."""
+        buf = mmap.mmap(-1, len(data))
+        try:
+            buf[:] = data
+            self.write([buf], offset)
+        finally:
+            buf.close()
+
+    def resize(self, nbytes: int) -> None:
+        """Make the file exactly ``nbytes`` long (space reserved when growing)."""
+        if os.fstat(self.fd).st_size > nbytes:
+            os.ftruncate(self.fd, nbytes)
+        self.nbytes = nbytes
+        self._reserve()
+
     def io_counts(self) -> dict[str, int]:
         """Bytes written and read, and IO calls that failed, since the file was opened."""
         with self._counts_lock:
             return dict(self._counts)
 
     def unlink(self) -> None:
-        """Remove the file from its directory if the path still names it (the fd stays open)."""
-        if self.fd >= 0:
+        """Remove the file from its directory if the path still names it (the fd stays open);
+        a persistent file stays."""
+        if self.fd >= 0 and self.named and not self.persistent:
             with contextlib.suppress(OSError):
                 _unlink_if_same(self.path, os.fstat(self.fd))
 
     def close(self) -> None:
-        """Unlink the file (if the path still names it) and close the fd. Only call once no IO thread can use the fd."""
+        """Unlink the file (if it has a name, the path still names it and it is not persistent) and
+        close the fd. Only call once no IO thread can use the fd."""
         if self.fd < 0:
             return
         self.unlink()
@@ -251,6 +326,50 @@ def clear_path(path: str) -> None:
         _unlink_if_same(path, st)  # holding the lock, so no offloader can be taking the file meanwhile
     finally:
         os.close(fd)
+
+
+def open_existing(path: str, direct: bool) -> tuple[int, bool] | None:
+    """Open the persistent disk file at ``path``: ``(fd, O_DIRECT in use)``, or None if nothing is
+    there. Refused with ``OffloadError``, leaving it as it is: a symlink (never followed), anything
+    but a regular file, a file of another user, or one that others may read or write (mode wider
+    than 0600: blocks encode prompts)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise OffloadError(
+            f"disk_path {path!r} is a symlink; a persistent disk file is never opened through one: give the path it points to"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_a_file(path, st)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | (O_DIRECT if direct else 0))
+    except OSError as e:
+        if not (direct and e.errno == errno.EINVAL):
+            raise
+        fd, direct = os.open(path, flags), False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_a_file(path, st)
+        if st.st_uid != os.geteuid():
+            raise OffloadError(
+                f"disk_path {path!r} belongs to user {st.st_uid}, not to this process's user {os.geteuid()}; "
+                "kvoffload only reopens its own files: remove it or choose another path"
+            )
+        if st.st_mode & 0o077:
+            raise OffloadError(
+                f"disk_path {path!r} has mode {stat.S_IMODE(st.st_mode):04o}, open to other users; kvoffload only "
+                "reopens files of mode 0600 (blocks encode prompts): check who could have read or changed it, "
+                "then chmod 600 it or remove it"
+            )
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, direct
 
 
 def _not_a_file(path: str, st: os.stat_result) -> OffloadError:

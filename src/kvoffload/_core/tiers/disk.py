@@ -13,6 +13,10 @@ one half while chunk N is copied to the cache from the other. Spills write host 
 (pinned, aligned) host slab: no extra copy.
 
 The event loops never block on IO: they await futures of the IO pool.
+
+With persistence (:class:`~.persistent_slots.PersistentSlots`) each slot is a header page
+and the payload, written in one ``pwritev`` and checked on every read; the file is reopened
+rather than created, and checkpointed in the background and at close.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import asyncio
 import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,9 +36,11 @@ from ..deadline import Deadline
 from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..helper_threads import mark_own_thread
 from ..hostmem import HostBuffer
+from ..cache_identity import CacheIdentity
 from ..copy_worker import CopyRequest, CopyWorkers
 from ..layout import BlockLayout
 from .host import chunked
+from .persistent_slots import CHECKPOINT_INTERVAL_S, PersistentSlots, Recovered
 
 __all__ = ["DiskTier", "BouncePool"]
 
@@ -140,7 +146,12 @@ class DiskTier:
         use_page_cache: bool,
         store_bounce: bool,
         job_bytes: int = 8 << 20,
+        identity: CacheIdentity | None = None,
+        verify: bool = False,
     ) -> None:
+        """``identity``: make the tier persistent, for a cache of this identity (reopening the file
+        at ``path`` if it has the same; see :attr:`recovered`); ``verify``: check every slot's CRC32C
+        when it is read."""
         self.layout = layout
         self.slots = slots
         self.workers = workers
@@ -149,9 +160,21 @@ class DiskTier:
         self._bounce: list[HostBuffer] = []
         self._load_pool: BouncePool
         self._store_pool: BouncePool | None = None
-        self.file = DiskFile(path, slots * layout.slot_bytes, use_page_cache=use_page_cache)
+        self.persistent: PersistentSlots | None = None
+        self.recovered = Recovered([], 0, "")
+        """What a reopen of a persistent file found (nothing for a new or non-persistent file)."""
+        self._snapshot: Callable[[], list[tuple[Hashable, int]]] | None = None
+        self._checkpoints: Any = None
+        if identity is None:
+            self.file = DiskFile(path, slots * layout.slot_bytes, use_page_cache=use_page_cache)
+        else:
+            probe = PersistentSlots.file_bytes_of(slots, layout.slot_bytes, identity)
+            self.file = DiskFile(path, probe, use_page_cache=use_page_cache, persistent=True)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-io", initializer=mark_own_thread)
         try:
+            if identity is not None:
+                self.persistent = PersistentSlots(self.file, slots, layout.slot_bytes, layout.block_bytes, identity, verify=verify)
+                self.recovered = self.persistent.open(self.pool)
             # two halves of chunk_blocks slots each, per direction that needs one
             for _ in range(2 if store_bounce else 1):
                 self._bounce.append(HostBuffer(2 * chunk_blocks * layout.slot_bytes, pin=layout.device if layout.is_cuda else None))
@@ -164,23 +187,52 @@ class DiskTier:
 
     # -- raw IO between host rows and disk slots ------------------------------------
 
-    def write_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> IoBatch:
-        """Start writing host rows to disk slots (pairwise) on the IO pool."""
+    def write_rows(
+        self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int], keys: Sequence[Hashable] = (),
+    ) -> IoBatch:
+        """Start writing host rows to disk slots (pairwise) on the IO pool; a persistent tier writes
+        each with its header, which names the key (``keys``, pairwise too)."""
+        if self.persistent is not None:
+            assert len(keys) == len(slots), "a persistent tier writes each slot with its key"
+            return IoBatch(self.pool, self.persistent.write_calls([host[r] for r in rows], slots, keys, self.job_bytes))
         jobs = io_jobs(host, rows, slots, self.job_bytes)
         return IoBatch(self.pool, [functools.partial(self.file.write, bufs, off) for off, bufs in jobs])
 
     def read_rows(self, host: np.ndarray, rows: Sequence[int], slots: Sequence[int]) -> IoBatch:
-        """Start reading disk slots into host rows (pairwise) on the IO pool."""
+        """Start reading disk slots into host rows (pairwise) on the IO pool; a persistent tier checks
+        each slot's header (and with ``verify`` its CRC32C): one that fails fails the batch
+        (``OSError(EBADMSG)``) and its entry is dropped."""
+        if self.persistent is not None:
+            return IoBatch(self.pool, self.persistent.read_calls([host[r] for r in rows], slots, self.job_bytes))
         jobs = io_jobs(host, rows, slots, self.job_bytes)
         return IoBatch(self.pool, [functools.partial(self.file.read, bufs, off) for off, bufs in jobs])
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def start_checkpoints(self, snapshot: Callable[[], list[tuple[Hashable, int]]], interval: float = CHECKPOINT_INTERVAL_S) -> None:
+        """Persistent tier: checkpoint ``snapshot()`` (``(key, disk slot)`` of the entries with a copy
+        on disk, least recently used first) in the background every ``interval`` seconds while
+        anything changed, and at close."""
+        if self.persistent is None:
+            return
+        self._snapshot = snapshot
+        self._checkpoints = asyncio.run_coroutine_threadsafe(
+            self.persistent.checkpoint_every(interval, snapshot, self.pool), self.workers.store.loop.loop,
+        )
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Persistent tier: the entries in disk ``slots`` were discarded; they must not come back."""
+        if self.persistent is not None:
+            self.persistent.forget(slots, self.pool)
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 
     async def store(
         self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None], through: BouncePool | None = None,
+        keys: Sequence[Hashable] = (),
     ) -> None:
-        """Copy cache blocks to disk slots (``(block id, slot)``) on the store worker's loop; ``landed(n)``
-        after each chunk is on disk.
+        """Copy cache blocks to disk slots (``(block id, slot)``, for ``keys``, pairwise) on the store
+        worker's loop; ``landed(n)`` after each chunk is on disk.
 
         Chunk N is copied into a free bounce half while the IO threads write
         chunk N-1 from another; a half is freed when its write has ended. The
@@ -194,7 +246,7 @@ class DiskTier:
         half: int | None = None
         event: Any = None
         try:
-            for chunk in chunked(pairs, pool.chunk_blocks):
+            for i, chunk in enumerate(chunked(pairs, pool.chunk_blocks)):
                 while writes and writes[0][0].done():  # report what landed meanwhile
                     await writes[0][0].wait()
                     landed(writes.popleft()[1])
@@ -203,7 +255,8 @@ class DiskTier:
                 event = await worker.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
                 await worker.wait(event)
                 event = None
-                batch = self.write_rows(pool.array, rows, [s for _, s in chunk])
+                first = i * pool.chunk_blocks
+                batch = self.write_rows(pool.array, rows, [s for _, s in chunk], keys[first : first + len(chunk)])
                 pool.release_after(batch.wait(), half)
                 half = None
                 writes.append((batch, len(chunk)))
@@ -280,6 +333,11 @@ class DiskTier:
         if any(t.is_alive() for t in getattr(self.pool, "_threads", ())):
             log.warning("disk tier: an IO thread is still running; leaving fd %d open", self.file.fd)
             return False
+        if self.persistent is not None and self._snapshot is not None and self.file.fd >= 0:
+            try:
+                self.persistent.write_checkpoint(self._snapshot(), clean=True)
+            except OSError:
+                log.warning("kvoffload: %s: the final checkpoint failed; the next start checks every slot", self.file.path, exc_info=True)
         self.file.close()
         for b in self._bounce:
             b.close()

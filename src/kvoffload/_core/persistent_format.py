@@ -1,0 +1,178 @@
+"""The bytes of a persistent disk tier: file header, slot headers, index checkpoint.
+
+The file (``disk_path``)::
+
+    [file header, padded to data_offset] [slot 0: header page | payload] [slot 1: ...] ...
+
+The file header names the cache identity (its digest and JSON), the slot geometry and an
+*epoch*, 16 random bytes drawn when the file was (re)initialised. Slot ``i`` starts at
+``data_offset + i * (HEADER_BYTES + slot_bytes)``: one 4096-byte header page, then the payload,
+so every O_DIRECT call stays aligned and a slot's header and payload go to disk in one
+``pwritev``. A header holds the key, the payload's length and CRC32C, a sequence number (the
+order slots were written in) and the *namespace*, a digest of identity and epoch; a page of
+zeros (a *tombstone*) marks a slot whose entry was discarded. Headers carry their own CRC32C.
+
+The checkpoint (``disk_path + ".checkpoint"``) lists the disk tier's entries, least recently
+used first, each with its slot, sequence number and payload CRC, and ends with a CRC32C of the
+whole file. It is written to a temporary name and renamed over the last one, so a crash leaves
+either the old checkpoint or the new one. All integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import crc32c
+
+__all__ = [
+    "CHECKPOINT_SUFFIX", "HEADER_BYTES", "Checkpoint", "CheckpointRecord", "FileHeader", "SlotHeader", "crc32c_of",
+]
+
+HEADER_BYTES = 4096
+"""One header page per slot (the O_DIRECT alignment)."""
+
+CHECKPOINT_SUFFIX = ".checkpoint"
+
+_FILE_MAGIC = b"KVOFFLD\x01"
+_FILE_VERSION = 1
+_FILE_FIXED = struct.Struct("<8sIIQQQ16s16sI")  # magic, version, header bytes, slot bytes, slots, data offset, epoch, identity digest, json length
+_SLOT_MAGIC = b"KVSLOT\x00\x01"
+_SLOT_FIXED = struct.Struct("<8s16sQQII")  # magic, namespace, seq, payload length, payload crc, key length
+_CHECKPOINT_MAGIC = b"KVCKPT\x00\x01"
+_CHECKPOINT_FIXED = struct.Struct("<8s16sQQB")  # magic, namespace, next seq, records, clean
+_RECORD = struct.Struct("<QQII")  # slot, seq, payload crc, key length
+_CRC = struct.Struct("<I")
+
+
+def crc32c_of(data: object) -> int:
+    """CRC32C of a buffer (the GIL is released for large ones: call it on an IO thread)."""
+    return int(crc32c.crc32c(data))  # type: ignore[arg-type]  # any buffer
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """The first bytes of a persistent disk file."""
+
+    slot_bytes: int
+    slots: int
+    epoch: bytes
+    identity_digest: bytes
+    identity_json: str
+
+    @property
+    def data_offset(self) -> int:
+        """Where slot 0 starts: past the header, rounded up to a page."""
+        n = _FILE_FIXED.size + len(self.identity_json.encode()) + _CRC.size
+        return -(-n // HEADER_BYTES) * HEADER_BYTES
+
+    def pack(self) -> bytes:
+        """The header padded to :attr:`data_offset` bytes."""
+        text = self.identity_json.encode()
+        body = _FILE_FIXED.pack(
+            _FILE_MAGIC, _FILE_VERSION, HEADER_BYTES, self.slot_bytes, self.slots, self.data_offset, self.epoch,
+            self.identity_digest, len(text),
+        ) + text
+        return (body + _CRC.pack(crc32c_of(body))).ljust(self.data_offset, b"\0")
+
+    @classmethod
+    def parse(cls, data: bytes) -> FileHeader:
+        """The header at the start of ``data``; ``ValueError`` saying what is wrong otherwise."""
+        if len(data) < _FILE_FIXED.size or data[:8] != _FILE_MAGIC:
+            raise ValueError("not a kvoffload disk file (no file header)")
+        magic, version, header_bytes, slot_bytes, slots, data_offset, epoch, digest, n = _FILE_FIXED.unpack_from(data)
+        if version != _FILE_VERSION or header_bytes != HEADER_BYTES:
+            raise ValueError(f"written by another version of kvoffload (format {version})")
+        end = _FILE_FIXED.size + n
+        if len(data) < end + _CRC.size or _CRC.unpack_from(data, end)[0] != crc32c_of(data[:end]):
+            raise ValueError("its file header is damaged (checksum)")
+        out = cls(slot_bytes, slots, bytes(epoch), bytes(digest), bytes(data[_FILE_FIXED.size : end]).decode())
+        if out.data_offset != data_offset:
+            raise ValueError("its file header is damaged (data offset)")
+        return out
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """What a slot's header page says about its payload."""
+
+    namespace: bytes
+    seq: int
+    payload_bytes: int
+    payload_crc: int
+    key: bytes
+    """The encoded key (:func:`~.cache_identity.encode_key`)."""
+
+    def pack_into(self, page: memoryview) -> None:
+        """Write this header over ``page`` (``HEADER_BYTES``, zeroed past the header)."""
+        body = _SLOT_FIXED.pack(_SLOT_MAGIC, self.namespace, self.seq, self.payload_bytes, self.payload_crc, len(self.key)) + self.key
+        end = len(body) + _CRC.size
+        page[: len(body)] = body
+        page[len(body) : end] = _CRC.pack(crc32c_of(body))
+        page[end:] = bytes(len(page) - end)
+
+    @classmethod
+    def parse(cls, page: bytes | memoryview) -> SlotHeader | None:
+        """The header in ``page``, or None for a tombstone, a never-written slot or a damaged header."""
+        if bytes(page[:8]) != _SLOT_MAGIC:
+            return None
+        magic, namespace, seq, payload_bytes, payload_crc, key_len = _SLOT_FIXED.unpack_from(page)
+        end = _SLOT_FIXED.size + key_len
+        if end + _CRC.size > len(page):
+            return None
+        if _CRC.unpack_from(page, end)[0] != crc32c_of(page[:end]):
+            return None
+        return cls(bytes(namespace), seq, payload_bytes, payload_crc, bytes(page[_SLOT_FIXED.size : end]))
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One entry of a checkpoint: the slot holding ``key``'s payload as written at ``seq``."""
+
+    slot: int
+    seq: int
+    payload_crc: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The disk tier's entries at one moment, least recently used first."""
+
+    namespace: bytes
+    next_seq: int
+    """The sequence number the next slot write takes."""
+    clean: bool
+    """Written by a clean close: nothing was written after it."""
+    records: tuple[CheckpointRecord, ...]
+
+    def pack(self) -> bytes:
+        parts = [_CHECKPOINT_FIXED.pack(_CHECKPOINT_MAGIC, self.namespace, self.next_seq, len(self.records), self.clean)]
+        parts += [_RECORD.pack(r.slot, r.seq, r.payload_crc, len(r.key)) + r.key for r in self.records]
+        body = b"".join(parts)
+        return body + _CRC.pack(crc32c_of(body))
+
+    @classmethod
+    def parse(cls, data: bytes) -> Checkpoint:
+        """The checkpoint ``data`` holds; ``ValueError`` for a torn, damaged or foreign one."""
+        if len(data) < _CHECKPOINT_FIXED.size + _CRC.size or data[:8] != _CHECKPOINT_MAGIC:
+            raise ValueError("not a kvoffload checkpoint")
+        if _CRC.unpack_from(data, len(data) - _CRC.size)[0] != crc32c_of(memoryview(data)[: -_CRC.size]):
+            raise ValueError("the checkpoint is torn or damaged (checksum)")
+        _, namespace, next_seq, count, clean = _CHECKPOINT_FIXED.unpack_from(data)
+        records: list[CheckpointRecord] = []
+        at = _CHECKPOINT_FIXED.size
+        for _ in range(count):
+            slot, seq, crc, key_len = _RECORD.unpack_from(data, at)
+            at += _RECORD.size
+            records.append(CheckpointRecord(slot, seq, crc, bytes(data[at : at + key_len])))
+            at += key_len
+        if at != len(data) - _CRC.size:
+            raise ValueError("the checkpoint is damaged (length)")
+        return cls(bytes(namespace), next_seq, bool(clean), tuple(records))
+
+
+def records_of(entries: Iterable[tuple[int, int, int, bytes]]) -> tuple[CheckpointRecord, ...]:
+    """Records from ``(slot, seq, payload crc, key)`` tuples."""
+    return tuple(CheckpointRecord(*e) for e in entries)

@@ -1,0 +1,476 @@
+"""The persistent disk tier's slots: headers written with every payload, checked on every read,
+checkpoints of the index, and the rebuild of the index when a file is reopened.
+
+Formats: :mod:`..persistent_format`. What holds, and why:
+
+- A slot's header and payload go to disk in one ``pwritev`` (header page first), so a process
+  killed at any moment leaves each slot as it was or as it was written: a write is never half
+  visible to a later reopen. Where the device itself tears a write (power loss), the payload's
+  CRC32C no longer matches: slots a reopen cannot vouch for are checked (below), and
+  ``verify=True`` checks every slot read.
+- A discarded entry's header is overwritten with zeros (a tombstone) at once, so it never comes
+  back after a restart; an evicted one needs none (its bytes were still right for its key, and its
+  slot is rewritten by the store that evicted it).
+- Every read checks the slot's header against what this process wrote or found there (key and
+  sequence number): a slot whose bytes are not the entry's is never loaded (``OSError(EBADMSG)``:
+  the load fails, the entry is dropped).
+- A checkpoint lists the entries, least recently used first, with each slot's sequence number and
+  CRC. On reopen, every header is read; a header that matches its checkpoint record is trusted;
+  any other valid header (a slot written after the last checkpoint) is trusted only once its
+  payload's CRC32C verifies. Of two slots with one key the later one counts.
+- Checkpoints are written by an IO thread every :data:`CHECKPOINT_INTERVAL_S` while anything
+  changed, and at close. Their cost is building the record list (Python) and one sequential
+  write, so they run whole on an IO thread: an async file API (aiofiles) would only move the
+  write itself off a loop, not the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import glob
+import hashlib
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import stat
+import threading
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache_identity import CacheIdentity, decode_key, encode_key
+from ..diskfile import IOV_MAX, DiskFile
+from ..foreign import call_foreign
+from ..layout import runs
+from ..persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
+
+__all__ = ["CHECKPOINT_INTERVAL_S", "PersistentSlots", "Recovered"]
+
+log = logging.getLogger("kvoffload")
+
+CHECKPOINT_INTERVAL_S = 5.0
+"""Seconds between background checkpoints (written only when something changed)."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a reopen found: the entries (``(key, slot)``, least recently used first) and how many
+    slots it dropped because their header or checksum did not verify."""
+
+    entries: list[tuple[Hashable, int]]
+    dropped: int
+    reason: str
+    """Why the file was started empty, or ``""`` if its entries were kept."""
+
+
+class PersistentSlots:
+    """Slot headers, checks and checkpoints of one persistent disk file (see the module docstring).
+
+    Thread-safe: IO threads write and read slots, the worker loops plan them, the caller discards.
+    """
+
+    def __init__(
+        self, file: DiskFile, slots: int, slot_bytes: int, block_bytes: int, identity: CacheIdentity, *, verify: bool,
+    ) -> None:
+        self.file = file
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.block_bytes = block_bytes
+        self.identity = identity
+        self.verify = verify
+        self.stride = HEADER_BYTES + slot_bytes
+        self.header = FileHeader(slot_bytes, slots, secrets.token_bytes(16), identity.digest, identity.to_json())
+        self.namespace = b""
+        self._written: dict[int, tuple[int, int, bytes]] = {}
+        """Slot -> (sequence number, payload CRC32C, encoded key) of what it holds, as written or found."""
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._writing: set[int] = set()
+        """Slots an IO thread is writing now (a tombstone never lands on them meanwhile)."""
+        self._changes = 0
+        """Slot writes and tombstones so far (a checkpoint is due when this moved)."""
+        self._checkpointed = -1
+        self._closed = False
+        self.checksum_failures = 0
+        self.on_bad_slot: Callable[[int], object] = lambda slot: None
+        """Called (on an IO thread) with a slot whose header or checksum failed a read: drop its entry."""
+
+    # -- geometry ------------------------------------------------------------------
+
+    def offset(self, slot: int) -> int:
+        """Where slot ``slot``'s header page starts in the file."""
+        return self.header.data_offset + slot * self.stride
+
+    @property
+    def file_bytes(self) -> int:
+        """The file's size: its header, then every slot's header page and payload."""
+        return self.header.data_offset + self.slots * self.stride
+
+    @staticmethod
+    def file_bytes_of(slots: int, slot_bytes: int, identity: CacheIdentity) -> int:
+        """:attr:`file_bytes` of a file of ``slots`` slots of ``slot_bytes`` for ``identity``."""
+        header = FileHeader(slot_bytes, slots, bytes(16), identity.digest, identity.to_json())
+        return header.data_offset + slots * (HEADER_BYTES + slot_bytes)
+
+    # -- open ----------------------------------------------------------------------
+
+    def open(self, pool: Executor) -> Recovered:
+        """Use the file: rebuild the entries of a reopened one whose identity matches, else start it
+        empty (logging why). IO runs on ``pool``."""
+        reason = "" if self.file.existed else "new file"
+        found: FileHeader | None = None
+        if self.file.existed:
+            try:
+                found = FileHeader.parse(self.file.read_bytes(0, HEADER_BYTES))
+                if found.data_offset > HEADER_BYTES:
+                    found = FileHeader.parse(self.file.read_bytes(0, found.data_offset))
+            except (ValueError, UnicodeDecodeError) as e:
+                reason = str(e)
+            if found is not None:
+                reason = self._mismatch(found)
+        if reason:
+            if self.file.existed:
+                log.warning("kvoffload: %s: started the persistent disk tier empty: %s", self.file.path, reason)
+            self._initialise()
+            return Recovered([], 0, reason)
+        assert found is not None
+        self.header = FileHeader(self.slot_bytes, self.slots, found.epoch, found.identity_digest, found.identity_json)
+        self.namespace = _namespace(found)
+        if found.slots != self.slots or self.file.nbytes != self.file_bytes:
+            self.file.resize(self.file_bytes)
+            if found.slots != self.slots:
+                self.file.write_bytes(self.header.pack(), 0)
+        recovered = self._rebuild(pool, min(found.slots, self.slots))
+        self._remove_stale_temporaries()
+        return recovered
+
+    def _mismatch(self, found: FileHeader) -> str:
+        """Why the file found cannot be used (``""``: it can)."""
+        if found.slot_bytes != self.slot_bytes:
+            return f"its slots are {found.slot_bytes} bytes, this cache's are {self.slot_bytes}"
+        if found.identity_digest == self.identity.digest:
+            return ""
+        try:
+            theirs = CacheIdentity.from_json(found.identity_json)
+        except ValueError:
+            return "its cache identity is unreadable"
+        return "the cache identity differs: " + "; ".join(self.identity.differences(theirs) or ["(digest)"])
+
+    def _initialise(self) -> None:
+        """Start the file empty: a new epoch, so no slot written before is valid."""
+        self.header = FileHeader(self.slot_bytes, self.slots, secrets.token_bytes(16), self.identity.digest, self.identity.to_json())
+        self.namespace = _namespace(self.header)
+        self.file.resize(self.file_bytes)
+        self.file.write_bytes(self.header.pack(), 0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.checkpoint_path)
+        self._remove_stale_temporaries()
+
+    def _rebuild(self, pool: Executor, slots: int) -> Recovered:
+        """Read every header; keep what the checkpoint vouches for or its CRC verifies."""
+        checkpoint = self._read_checkpoint()
+        listed = {r.slot: r for r in checkpoint.records} if checkpoint is not None else {}
+        headers, dropped = self._read_headers(pool, slots)  # damaged headers are dropped slots
+        trusted: dict[int, SlotHeader] = {}
+        unverified: list[tuple[int, SlotHeader]] = []
+        for slot, h in enumerate(headers):
+            if h is None or h.namespace != self.namespace or h.payload_bytes != self.block_bytes:
+                continue  # empty, or written before the file was last started empty
+            r = listed.get(slot)
+            if r is not None and (r.seq, r.payload_crc, r.key) == (h.seq, h.payload_crc, h.key):
+                trusted[slot] = h
+            else:
+                unverified.append((slot, h))
+        good = self._verify_payloads(pool, unverified)
+        dropped += len(unverified) - len(good)
+        # one slot per key: the latest write wins
+        best: dict[bytes, tuple[int, int]] = {}
+        for slot, h in itertools.chain(trusted.items(), good):
+            if h.key not in best or best[h.key][1] < h.seq:
+                best[h.key] = (slot, h.seq)
+        order = [r.slot for r in checkpoint.records] if checkpoint is not None else []
+        rank = {slot: i for i, slot in enumerate(order)}
+        kept = sorted(((slot, seq, key) for key, (slot, seq) in best.items()), key=lambda t: (t[0] not in rank, rank.get(t[0], 0), t[1]))
+        all_headers = {**trusted, **dict(good)}
+        entries: list[tuple[Hashable, int]] = []
+        for slot, seq, key in kept:
+            try:
+                entries.append((decode_key(key), slot))
+            except ValueError:
+                dropped += 1
+                continue
+            h = all_headers[slot]
+            self._written[slot] = (h.seq, h.payload_crc, h.key)
+        top = max([checkpoint.next_seq if checkpoint is not None else 1] + [h.seq + 1 for h in all_headers.values()])
+        self._seq = itertools.count(top)
+        log.info(
+            "kvoffload: %s: reopened the persistent disk tier: %d entries (%d vouched for by the %s checkpoint, "
+            "%d verified by checksum), %d slots dropped",
+            self.file.path, len(entries), len(trusted), "clean" if checkpoint is not None and checkpoint.clean else "last",
+            len(good), dropped,
+        )
+        return Recovered(entries, dropped, "")
+
+    def _read_headers(self, pool: Executor, slots: int) -> tuple[list[SlotHeader | None], int]:
+        """Each slot's header (None: a tombstone, never written, or damaged), and how many were damaged."""
+        out: list[SlotHeader | None] = [None] * slots
+        per_job = 4096
+
+        def job(first: int, n: int) -> int:
+            damaged = 0
+            buf = mmap.mmap(-1, HEADER_BYTES)
+            try:
+                for slot in range(first, first + n):
+                    call_foreign("disk read (preadv)", os.preadv, self.file.fd, [buf], self.offset(slot))
+                    page = memoryview(buf)
+                    out[slot] = h = SlotHeader.parse(page)
+                    damaged += h is None and bytes(page[:6]) == b"KVSLOT"
+                    page.release()
+            finally:
+                buf.close()
+            return damaged
+
+        futures = [pool.submit(job, first, min(per_job, slots - first)) for first in range(0, slots, per_job)]
+        return out, sum(f.result() for f in futures)
+
+    def _verify_payloads(self, pool: Executor, candidates: list[tuple[int, SlotHeader]]) -> list[tuple[int, SlotHeader]]:
+        """Those of ``candidates`` whose payload's CRC32C matches their header."""
+        ok = [False] * len(candidates)
+
+        def job(i: int) -> None:
+            buf = mmap.mmap(-1, self.slot_bytes)
+            try:
+                slot, h = candidates[i]
+                call_foreign("disk read (preadv)", os.preadv, self.file.fd, [buf], self.offset(slot) + HEADER_BYTES)
+                ok[i] = crc32c_of(memoryview(buf)[: self.block_bytes]) == h.payload_crc
+            finally:
+                buf.close()
+
+        for f in [pool.submit(job, i) for i in range(len(candidates))]:
+            f.result()
+        return [c for c, good in zip(candidates, ok) if good]
+
+    # -- writes and reads (on IO threads) --------------------------------------------
+
+    def write_calls(self, rows: Sequence[Any], slots: Sequence[int], keys: Sequence[Hashable], job_bytes: int) -> list[Callable[[], None]]:
+        """IO calls writing ``rows[i]`` (a slot's bytes) with its header to slot ``slots[i]``, for
+        ``keys[i]``: consecutive slots share a ``pwritev``. Sequence numbers are taken now."""
+        encoded = [encode_key(k) for k in keys]
+        seqs = [next(self._seq) for _ in slots]
+        return [functools.partial(self._write, group, rows, slots, encoded, seqs) for group in self._groups(slots, job_bytes)]
+
+    def _groups(self, slots: Sequence[int], job_bytes: int) -> list[range]:
+        """Index ranges of runs of consecutive ``slots``, cut at ``job_bytes`` and at IOV_MAX buffers."""
+        per_job = max(1, min(job_bytes // self.stride, IOV_MAX // 2))
+        out: list[range] = []
+        starts, lengths = runs(list(slots))
+        for s, n in zip(starts.tolist(), lengths.tolist()):
+            out += [range(j, min(j + per_job, s + n)) for j in range(s, s + n, per_job)]
+        return out
+
+    def _write(self, group: range, rows: Sequence[Any], slots: Sequence[int], keys: list[bytes], seqs: list[int]) -> None:
+        view = memoryview(mmap.mmap(-1, HEADER_BYTES * len(group)))  # page aligned; freed with its last view
+        buffers: list[Any] = []
+        written = []
+        for n, i in enumerate(group):
+            payload = memoryview(rows[i]).cast("B")
+            crc = crc32c_of(payload[: self.block_bytes])
+            page = view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
+            SlotHeader(self.namespace, seqs[i], self.block_bytes, crc, keys[i]).pack_into(page)
+            buffers += [page, payload]
+            written.append((slots[i], (seqs[i], crc, keys[i])))
+        mine = [slots[i] for i in group]
+        with self._lock:
+            self._writing.update(mine)
+        try:
+            self.file.write(buffers, self.offset(slots[group[0]]))
+        except BaseException:
+            self._void(mine)  # a failed write may have left a header over a torn payload
+            raise
+        finally:
+            with self._lock:
+                self._writing.difference_update(mine)
+        with self._lock:
+            self._written.update(written)
+            self._changes += 1
+
+    def _void(self, slots: Iterable[int]) -> None:
+        """Best effort: overwrite the headers of ``slots`` with zeros."""
+        zeros = mmap.mmap(-1, HEADER_BYTES)
+        try:
+            for s in slots:
+                self.file.write([zeros], self.offset(s))
+        except OSError:
+            log.warning("kvoffload: %s: could not void the headers of slots whose write failed", self.file.path, exc_info=True)
+        finally:
+            zeros.close()
+
+    def read_calls(self, rows: Sequence[Any], slots: Sequence[int], job_bytes: int) -> list[Callable[[], None]]:
+        """IO calls reading slot ``slots[i]`` into ``rows[i]``, each header checked against what the
+        slot should hold (and, with ``verify``, the payload's CRC32C)."""
+        return [functools.partial(self._read, group, rows, slots) for group in self._groups(slots, job_bytes)]
+
+    def _read(self, group: range, rows: Sequence[Any], slots: Sequence[int]) -> None:
+        view = memoryview(mmap.mmap(-1, HEADER_BYTES * len(group)))
+        buffers: list[Any] = []
+        for n, i in enumerate(group):
+            buffers += [view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], memoryview(rows[i]).cast("B")]
+        self.file.read(buffers, self.offset(slots[group[0]]))
+        for n, i in enumerate(group):
+            self._check(slots[i], buffers[2 * n], buffers[2 * n + 1])
+
+    def _check(self, slot: int, page: memoryview, payload: memoryview) -> None:
+        """Raise ``OSError(EBADMSG)`` unless ``slot`` holds what was written there (and, with
+        ``verify``, its payload's CRC32C matches); the entry is then dropped (:attr:`on_bad_slot`)."""
+        want = self._written.get(slot)
+        h = SlotHeader.parse(page)
+        problem = ""
+        if want is None or h is None or h.namespace != self.namespace or (h.seq, h.key) != (want[0], want[2]):
+            problem = "its header is not the one written there"
+        elif self.verify and crc32c_of(payload[: self.block_bytes]) != want[1]:
+            problem = "its payload fails its CRC32C"
+            with self._lock:
+                self.checksum_failures += 1
+        if problem:
+            self.on_bad_slot(slot)
+            raise OSError(errno.EBADMSG, f"disk slot {slot} of {self.file.path}: {problem}; the entry is dropped")
+
+    def forget(self, slots: Iterable[int], pool: Executor) -> None:
+        """Entries of ``slots`` were discarded: overwrite their headers with zeros (on ``pool``)."""
+        slots = [s for s in slots if s in self._written]
+        if not slots:
+            return
+        with self._lock:
+            for s in slots:
+                self._written.pop(s, None)
+            self._changes += 1
+        zeros = mmap.mmap(-1, HEADER_BYTES)
+
+        def tombstones() -> None:
+            try:
+                for s in slots:
+                    with self._lock:  # a write of the slot waits for this one, or this one is skipped
+                        if s not in self._written and s not in self._writing:  # not reused meanwhile
+                            self.file.write([zeros], self.offset(s))
+            except OSError:
+                log.warning("kvoffload: %s: could not mark discarded slots; they may come back after a restart", self.file.path, exc_info=True)
+            finally:
+                zeros.close()
+
+        try:
+            pool.submit(tombstones)
+        except RuntimeError:  # closing: the final checkpoint leaves them out all the same
+            zeros.close()
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.file.path + CHECKPOINT_SUFFIX
+
+    def due(self) -> bool:
+        """Something changed since the last checkpoint."""
+        return self._changes != self._checkpointed
+
+    def write_checkpoint(self, entries: Iterable[tuple[Hashable, int]], *, clean: bool = False) -> int:
+        """Write a checkpoint of ``entries`` (``(key, disk slot)``, least recently used first); returns
+        how many it lists. Entries whose slot does not hold their key's bytes yet are left out."""
+        with self._lock:
+            if self._closed and not clean:
+                return 0
+            changes = self._changes
+            written = dict(self._written)
+        records: list[CheckpointRecord] = []
+        for key, slot in entries:
+            w = written.get(slot)
+            if w is None:
+                continue
+            try:
+                if encode_key(key) != w[2]:
+                    continue
+            except (TypeError, ValueError):
+                continue
+            records.append(CheckpointRecord(slot, w[0], w[1], w[2]))
+        data = Checkpoint(self.namespace, next(self._seq), clean, tuple(records)).pack()
+        with self._lock:
+            if self._closed and not clean:
+                return 0
+            tmp = f"{self.checkpoint_path}.tmp-{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    f.write(data)
+                if clean:
+                    os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.checkpoint_path)
+            self._checkpointed = changes
+            if clean:
+                self._closed = True
+        return len(records)
+
+    def _read_checkpoint(self) -> Checkpoint | None:
+        """The last checkpoint, if it is this file's, whole and safe to trust."""
+        path = self.checkpoint_path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("kvoffload: %s: ignoring the checkpoint (%s); every slot is checked instead", path, e)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                log.warning("kvoffload: %s: ignoring the checkpoint (not a private file of this user)", path)
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        try:
+            checkpoint = Checkpoint.parse(data)
+        except ValueError as e:
+            log.warning("kvoffload: %s: ignoring the checkpoint (%s); every slot is checked instead", path, e)
+            return None
+        return checkpoint if checkpoint.namespace == self.namespace else None
+
+    def _remove_stale_temporaries(self) -> None:
+        """Checkpoints a killed process left half written."""
+        for tmp in glob.glob(glob.escape(self.checkpoint_path) + ".tmp-*"):
+            with contextlib.suppress(OSError):
+                st = os.lstat(tmp)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(tmp)
+
+    async def checkpoint_every(self, interval: float, snapshot: Callable[[], list[tuple[Hashable, int]]], pool: Executor) -> None:
+        """(A task on a worker loop.) Every ``interval`` seconds, when something changed, write a
+        checkpoint of ``snapshot()`` on ``pool``; until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            if not self.due():
+                continue
+            try:
+                await loop.run_in_executor(pool, lambda: self.write_checkpoint(snapshot()))
+            except RuntimeError:  # the pool is shutting down
+                return
+            except OSError:
+                log.warning("kvoffload: %s: writing a checkpoint failed; trying again later", self.checkpoint_path, exc_info=True)
+
+
+def _namespace(header: FileHeader) -> bytes:
+    """What every valid slot header of this file carries: its identity and epoch, digested."""
+    return hashlib.blake2b(header.identity_digest + header.epoch, digest_size=16).digest()
+
