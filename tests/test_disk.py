@@ -13,7 +13,7 @@ import pytest
 
 import kvoffload
 from conftest import random_caches, same_bytes
-from kvoffload._testing import uses_o_direct
+from kvoffload._testing import disk_file_stat, uses_o_direct
 
 
 def snapshot(caches):
@@ -40,9 +40,10 @@ async def test_disk_only_round_trip(tmp_path, chunk_blocks):
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     src = [int(x) for x in (torch_perm(128, chunk_blocks)[:100])]
     async with kvoffload.Offloader(caches, host_blocks=0, disk_path=path, disk_blocks=100, chunk_bytes=chunk_blocks * slot) as off:
-        st = os.stat(path)
-        assert st.st_mode & 0o777 == 0o600
-        assert st.st_size == 100 * slot  # reserved up front
+        st = disk_file_stat(off)
+        assert st.st_mode & 0o777 == 0o600 and st.st_nlink == 0  # private, and without a name
+        assert st.st_size == 100 * slot and st.st_blocks * 512 >= 100 * slot  # reserved up front
+        assert os.listdir(tmp_path) == []
         r = await off.store({("k", i): src[i] for i in range(100)})
         assert len(r.keys) == 100
         s = off.stats()
@@ -150,9 +151,9 @@ def test_symlink_at_path_is_not_followed(tmp_path):
     caches = random_caches(8)
     with kvoffload.Offloader(caches, host_blocks=0, disk_path=link, disk_blocks=8) as off:
         off.store({i: i for i in range(8)}).result(10)
-        assert not link.is_symlink() and link.is_file()
+        assert link.is_symlink() and disk_file_stat(off).st_ino != os.stat(target).st_ino
     assert target.read_bytes() == b"do not overwrite"
-    assert not link.exists()
+    assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["kv", "precious"]
 
 
 def test_missing_directory_and_full_disk_fail_clearly(tmp_path, monkeypatch):

@@ -1,10 +1,13 @@
 """What the disk tier does with what it finds at disk_path.
 
-Nothing there, a planted symlink or a stale regular file: it creates its own private file (a
-symlink is replaced, never followed). A file another live offloader holds, in this process or
-another, is refused and left alone; so are a fifo (without blocking on it), a socket, a device and
-a directory. The file is locked from its creation, and a start that fails unlinks only the file it
-created.
+Without persistence the disk file never has a name: nothing at disk_path is created, read, reused
+or removed, and a process ended any way (SIGTERM, SIGKILL included) leaves no file behind.
+
+With persistence (``persist=True``) the file at disk_path is the cache: nothing there, it creates
+its own private file. A file another live offloader holds, in this process or another, is refused
+and left alone; so are a symlink (never followed), a fifo (without blocking on it), a socket, a
+device and a directory. The file is locked from its creation, and a start that fails removes only a
+file it created.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import errno
 import fcntl
 import os
 import select
+import signal
 import socket
 import stat
 import subprocess
@@ -26,9 +30,9 @@ import kvoffload
 from conftest import block_bytes, random_caches
 
 
-def open_disk(path, caches=None):
+def open_disk(path, caches=None, persist=True):
     caches = random_caches(8, seed=11) if caches is None else caches
-    return kvoffload.Offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8)
+    return kvoffload.Offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8, persist=persist)
 
 
 def chain_text(e: BaseException) -> str:
@@ -54,10 +58,10 @@ def assert_refused(path, *words):
 def round_trip(off, caches):
     """Store two blocks of ``caches`` (``off``'s cache) and load them back elsewhere, byte for byte."""
     want = {k: block_bytes(caches, k) for k in (1, 2)}
-    off.store({("rt", 1): 1, ("rt", 2): 2}).result(10)
+    off.store({"rt1": 1, "rt2": 2}).result(10)
     for t in caches.values():
         t[5:7].zero_()
-    off.load({("rt", 1): 5, ("rt", 2): 6}).result(10)
+    off.load({"rt1": 5, "rt2": 6}).result(10)
     assert block_bytes(caches, 5) == want[1] and block_bytes(caches, 6) == want[2]
 
 
@@ -138,7 +142,7 @@ def test_a_file_another_offloader_in_this_process_holds_is_refused(tmp_path, mak
     round_trip(first, caches)  # the first one keeps working
     assert identity(path) == before
     first.close()
-    assert not path.exists()
+    assert identity(path) == before  # kept: it is persistent
     with open_disk(path, caches) as again:
         round_trip(again, caches)
 
@@ -151,7 +155,7 @@ def test_a_file_another_process_holds_is_refused(tmp_path):
         [sys.executable, "-c", textwrap.dedent("""
             import sys, kvoffload
             from conftest import random_caches
-            off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8).start()
+            off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8, persist=True).start()
             off.store({"k": 1}).result(10)
             print("ready", flush=True)
             sys.stdin.readline()
@@ -172,14 +176,14 @@ def test_a_file_another_process_holds_is_refused(tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
-    assert not path.exists()
+    assert path.exists()
     caches = random_caches(8)
     with open_disk(path, caches) as off:
         round_trip(off, caches)
 
 
 @pytest.mark.parametrize("target", ["file", "fifo", "missing"])
-def test_symlink_is_replaced_not_followed(tmp_path, target):
+def test_a_symlink_is_refused_not_followed(tmp_path, target):
     dest = tmp_path / "target"
     if target == "file":
         dest.write_bytes(b"do not overwrite")
@@ -187,32 +191,15 @@ def test_symlink_is_replaced_not_followed(tmp_path, target):
         os.mkfifo(dest)
     link = tmp_path / "kv"
     link.symlink_to(dest)
-    caches = random_caches(8)
-    with open_disk(link, caches) as off:
-        assert not link.is_symlink() and link.is_file()
-        assert os.stat(link).st_mode & 0o777 == 0o600
-        round_trip(off, caches)
-    assert not os.path.lexists(link)
+    before = identity(link)
+    assert_refused(link, "symlink")
+    assert identity(link) == before
     if target == "file":
         assert dest.read_bytes() == b"do not overwrite"
     elif target == "fifo":
         assert stat.S_ISFIFO(os.lstat(dest).st_mode)
     else:
         assert not os.path.lexists(dest)
-
-
-def test_stale_file_is_replaced_not_reused(tmp_path):
-    path = tmp_path / "kv"
-    path.write_bytes(b"stale")
-    os.chmod(path, 0o644)
-    kept = tmp_path / "kept"
-    os.link(path, kept)  # a second name for the old file: it must be unlinked, not written
-    caches = random_caches(8)
-    with open_disk(path, caches) as off:
-        st = os.stat(path)
-        assert st.st_ino != os.stat(kept).st_ino and st.st_mode & 0o777 == 0o600
-        round_trip(off, caches)
-    assert kept.read_bytes() == b"stale" and not path.exists()
 
 
 def test_the_file_is_locked_before_its_space_is_reserved(tmp_path, monkeypatch):
@@ -238,7 +225,7 @@ def test_the_file_is_locked_before_its_space_is_reserved(tmp_path, monkeypatch):
     assert seen == ["locked"]
 
 
-def test_a_failed_start_unlinks_only_its_own_file(tmp_path, monkeypatch):
+def test_a_failed_start_removes_only_a_file_it_created(tmp_path, monkeypatch):
     path = tmp_path / "kv"
 
     def replaced_then_full(fd, offset, length):
@@ -251,3 +238,74 @@ def test_a_failed_start_unlinks_only_its_own_file(tmp_path, monkeypatch):
         open_disk(path).start()
     assert "cannot reserve" in chain_text(ei.value)
     assert path.read_bytes() == b"theirs"
+
+
+# -- without persistence ---------------------------------------------------------------------
+
+
+def whats_there(directory):
+    return {name: identity(directory / name) for name in os.listdir(directory)}
+
+
+@pytest.mark.parametrize("there", ["nothing", "file", "symlink", "fifo", "directory"])
+def test_without_persistence_nothing_at_the_path_is_touched_and_no_file_gets_a_name(tmp_path, there):
+    path = tmp_path / "kv"
+    if there == "file":
+        path.write_bytes(b"keep")
+    elif there == "symlink":
+        (tmp_path / "target").write_bytes(b"keep")
+        path.symlink_to(tmp_path / "target")
+    elif there == "fifo":
+        os.mkfifo(path)
+    elif there == "directory":
+        path.mkdir()
+    before = whats_there(tmp_path)
+    caches = random_caches(8)
+    with open_disk(path, caches, persist=False) as off:
+        round_trip(off, caches)
+        assert whats_there(tmp_path) == before
+        assert off.stats().disk_bytes_written > 0
+    assert whats_there(tmp_path) == before
+    if there in ("file", "symlink"):
+        assert path.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "no-O_TMPFILE"])
+def test_two_offloaders_without_persistence_share_a_path_without_sharing_a_file(tmp_path, monkeypatch, tmpfile):
+    if not tmpfile:  # a file system without O_TMPFILE: a temporary name, unlinked before start() returns
+        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    path = tmp_path / "kv"
+    a_caches, b_caches = random_caches(8, seed=1), random_caches(8, seed=2)
+    with open_disk(path, a_caches, persist=False) as a, open_disk(path, b_caches, persist=False) as b:
+        round_trip(a, a_caches)
+        round_trip(b, b_caches)
+        assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_process_killed_without_persistence_leaves_no_file(tmp_path, sig):
+    path = tmp_path / "kv"
+    tests_dir = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, kvoffload
+            from conftest import random_caches
+            off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8).start()
+            off.store({"k": 1}).result(10)
+            print("ready", flush=True)
+            sys.stdin.readline()
+        """), str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready and child.stdout.readline() == "ready\n", child.stderr.read() if child.poll() is not None else "no answer"
+        assert os.listdir(tmp_path) == []
+        child.send_signal(sig)
+        assert child.wait(30) == -sig
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert os.listdir(tmp_path) == []

@@ -13,12 +13,14 @@ may change without notice.
 
 from __future__ import annotations
 
+import os
+
 from ._core.diskfile import IoCalls
 from ._core.hostmem import HostBuffer
 from ._core.copy_worker import CopyCalls
 from ._core.offloader import Offloader
 
-__all__ = ["disk_io", "copy_calls", "uses_o_direct", "pinned_buffers", "check_index", "IoCalls", "CopyCalls"]
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "pinned_buffers", "check_index", "IoCalls", "CopyCalls"]
 
 
 def disk_io(off: Offloader) -> IoCalls | None:
@@ -50,6 +52,13 @@ def uses_o_direct(off: Offloader) -> bool:
     """True when ``off``'s disk tier does O_DIRECT IO (False: buffered, or no disk tier)."""
     disk = off._running_storage().disk
     return disk is not None and disk.file.direct
+
+
+def disk_file_stat(off: Offloader) -> os.stat_result:
+    """``os.fstat`` of ``off``'s disk file (which has no name unless it is persistent)."""
+    disk = off._running_storage().disk
+    assert disk is not None, "no disk tier"
+    return os.fstat(disk.file.fd)
 
 
 def pinned_buffers(off: Offloader) -> list[HostBuffer]:

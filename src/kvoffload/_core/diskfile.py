@@ -23,6 +23,7 @@ import functools
 import logging
 import mmap
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -70,6 +71,8 @@ class DiskFile:
         self, path: str | os.PathLike[str], nbytes: int, *, use_page_cache: bool = False, persistent: bool = False,
     ) -> None:
         self.path = os.fspath(path)
+        self.name = self.path
+        """The file's name while it has one: ``path``, or a temporary name beside it (see above)."""
         self.nbytes = nbytes
         self.persistent = persistent
         self.existed = False
@@ -102,12 +105,14 @@ class DiskFile:
                 self.unlink()  # reserved, now nameless: nothing is left behind however the process ends
                 self.named = False
         except BaseException:
+            if persistent and not self.existed:
+                self.persistent = False  # created by this start: removed with it
             self.close()
             raise
 
     def _open_unnamed(self, directory: str, direct: bool) -> tuple[int, bool]:
-        """A file with no name in ``directory`` (``O_TMPFILE``); else one created at :attr:`path`
-        (:meth:`_open`), named until it is reserved."""
+        """A file with no name in ``directory`` (``O_TMPFILE``); else one created under a fresh
+        temporary name beside :attr:`path`, named until it is reserved."""
         tmpfile = getattr(os, "O_TMPFILE", 0)
         if tmpfile:
             flags = os.O_RDWR | os.O_CLOEXEC | tmpfile
@@ -116,11 +121,12 @@ class DiskFile:
                     return os.open(directory, flags | (O_DIRECT if d else 0), 0o600), d
                 except OSError as e:
                     if e.errno == errno.EINVAL and d:
+                        log.warning("%s: the file system does not support O_DIRECT; using buffered IO (page cache)", self.path)
                         continue  # perhaps O_DIRECT: try without it
                     if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                         raise
                     break
-        clear_path(self.path)
+        self.name = f"{self.path}.tmp-{secrets.token_hex(8)}"
         self.named = True
         return self._open(direct)
 
@@ -128,13 +134,13 @@ class DiskFile:
         """Create the file; returns ``(fd, O_DIRECT in use)``."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            return os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600), direct
+            return os.open(self.name, flags | (O_DIRECT if direct else 0), 0o600), direct
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
         log.warning("%s: the file system does not support O_DIRECT; using buffered IO (page cache)", self.path)
-        clear_path(self.path)  # the refused open may have created the file
-        return os.open(self.path, flags, 0o600), False
+        clear_path(self.name)  # the refused open may have created the file
+        return os.open(self.name, flags, 0o600), False
 
     def _lock(self) -> None:
         """Mark the file as ours (``flock``) before anything else is done with it: see :func:`clear_path`."""
@@ -234,7 +240,7 @@ class DiskFile:
         a persistent file stays."""
         if self.fd >= 0 and self.named and not self.persistent:
             with contextlib.suppress(OSError):
-                _unlink_if_same(self.path, os.fstat(self.fd))
+                _unlink_if_same(self.name, os.fstat(self.fd))
 
     def close(self) -> None:
         """Unlink the file (if it has a name, the path still names it and it is not persistent) and
