@@ -577,6 +577,65 @@ def disk_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def persistence_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, disk_dir: str | None,
+                          io_threads: int, rounds: int = 3) -> None:
+    """The persistent disk tier beside the plain one: store and load GB/s (headers and CRC32C on the
+    IO threads; ``verify=True`` checks every slot read), the reopen of a full tier (after a clean
+    close, and after a crash with no checkpoint, when every slot's CRC is read and checked), and a
+    store larger than the host tier beside one straight to disk."""
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"persistent disk tier: {nbytes / 2**30:.2f} GiB per transfer, {io_threads} IO threads, ceiling = the plain disk tier")
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-", dir=disk_dir)
+    try:
+        caches = lay.cache(n, dev)
+        perm = torch.randperm(n).tolist()
+        blocks = {i: perm[i] for i in range(n)}
+        figures: dict[str, list[float]] = {k: [] for k in ("plain_store", "plain_load", "store", "load", "verify_load", "large", "direct")}
+        kw: dict[str, Any] = {"host_blocks": 0, "disk_blocks": n, "io_threads": io_threads}
+        persistent = os.path.join(tmp, "persistent")
+        with Offloader(caches, disk_path=os.path.join(tmp, "plain"), **kw) as plain, \
+                Offloader(caches, disk_path=persistent, persist=True, **kw) as pers:
+            for _ in range(rounds):  # alternating, so that both see the same disk weather
+                for off, store, load in ((plain, "plain_store", "plain_load"), (pers, "store", "load")):
+                    off.discard(range(n))
+                    figures[store].append(off.store(blocks).result().gbps)
+                    figures[load].append(off.load(blocks).result().gbps)
+            pers.discard(range(n))
+            pers.store(blocks).result()
+        with Offloader(caches, disk_path=persistent, persist=True, verify=True, **kw) as pers:
+            for _ in range(rounds):
+                figures["verify_load"].append(pers.load(blocks).result().gbps)
+        t0 = time.perf_counter()
+        with Offloader(caches, disk_path=persistent, persist=True, **kw) as pers:
+            reopen_s = time.perf_counter() - t0
+            found = pers.stats().recovered
+        os.unlink(persistent + ".checkpoint")  # as after a crash before the first checkpoint
+        t0 = time.perf_counter()
+        with Offloader(caches, disk_path=persistent, persist=True, **kw) as pers:
+            crash_s = time.perf_counter() - t0
+            found_after_crash = pers.stats().recovered
+        quarter = max(1, n // 4)
+        with Offloader(caches, host_blocks=quarter, disk_path=os.path.join(tmp, "large"), disk_blocks=n, io_threads=io_threads) as large, \
+                Offloader(caches, disk_path=os.path.join(tmp, "direct"), **kw) as direct:
+            for _ in range(rounds):
+                for off, name in ((direct, "direct"), (large, "large")):
+                    off.discard(range(n))
+                    figures[name].append(off.store(blocks).result().gbps)
+        best = {k: max(v) for k, v in figures.items()}
+        rep.row("persistent disk store (headers, CRC32C)", "GB/s", best["store"], best["plain_store"], None)
+        rep.row("persistent disk load", "GB/s", best["load"], best["plain_load"], None)
+        rep.row("persistent disk load, verify=True", "GB/s", best["verify_load"], best["plain_load"], None)
+        rep.row("reopen of a full tier (clean close)", "entries/s", found / reopen_s, None, None,
+                note=f"{found} entries in {reopen_s * 1e3:.0f} ms, start() included")
+        rep.row("reopen after a crash (every CRC checked)", "entries/s", found_after_crash / crash_s, None, None,
+                note=f"{found_after_crash} entries in {crash_s * 1e3:.0f} ms: {nbytes / crash_s / 1e9:.2f} GB/s read")
+        rep.row("store 4x larger than the host tier", "GB/s", best["large"], best["direct"], None,
+                note="ceiling = the same store with no host tier")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 async def _in_flight_rate(op: Callable[[int], Awaitable[Any]], count: int, in_flight: int = 64) -> float:
     """``op(i)`` for ``count`` values of i, ``in_flight`` at a time from this loop; returns ops per second."""
 
@@ -954,7 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,persist,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -967,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
     gpu_only = {"layouts", "layers", "expedited", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "small", "engine", "latency")
+    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "persist", "small", "engine", "latency")
             if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -993,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
         under_compute_scenarios(rep, lay, min(gib, 0.5), dev, args.busy_seconds)
     if "disk" in todo:
         disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
+    if "persist" in todo:
+        persistence_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, args.disk_dir, args.io_threads)
     if "small" in todo:
         small_transfers(rep, dev, base, args.small)
     if "engine" in todo:

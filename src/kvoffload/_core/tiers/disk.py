@@ -40,7 +40,8 @@ from ..cache_identity import CacheIdentity
 from ..copy_worker import CopyRequest, CopyWorkers
 from ..layout import BlockLayout
 from .host import chunked
-from .persistent_slots import CHECKPOINT_INTERVAL_S, PersistentSlots, Recovered
+from . import persistent_slots
+from .persistent_slots import PersistentSlots, Recovered
 
 __all__ = ["DiskTier", "BouncePool"]
 
@@ -209,12 +210,13 @@ class DiskTier:
 
     # -- persistence ----------------------------------------------------------------------
 
-    def start_checkpoints(self, snapshot: Callable[[], list[tuple[Hashable, int]]], interval: float = CHECKPOINT_INTERVAL_S) -> None:
+    def start_checkpoints(self, snapshot: Callable[[], list[tuple[Hashable, int]]]) -> None:
         """Persistent tier: checkpoint ``snapshot()`` (``(key, disk slot)`` of the entries with a copy
-        on disk, least recently used first) in the background every ``interval`` seconds while
-        anything changed, and at close."""
+        on disk, least recently used first) in the background every
+        :data:`~.persistent_slots.CHECKPOINT_INTERVAL_S` seconds while anything changed, and at close."""
         if self.persistent is None:
             return
+        interval = persistent_slots.CHECKPOINT_INTERVAL_S
         self._snapshot = snapshot
         self._checkpoints = asyncio.run_coroutine_threadsafe(
             self.persistent.checkpoint_every(interval, snapshot, self.pool), self.workers.store.loop.loop,
