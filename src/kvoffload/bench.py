@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Hashable, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -590,7 +590,7 @@ def persistence_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.devic
     try:
         caches = lay.cache(n, dev)
         perm = torch.randperm(n).tolist()
-        blocks = {i: perm[i] for i in range(n)}
+        blocks: dict[Hashable, int] = {i: perm[i] for i in range(n)}
         figures: dict[str, list[float]] = {k: [] for k in ("plain_store", "plain_load", "store", "load", "verify_load", "large", "direct")}
         kw: dict[str, Any] = {"host_blocks": 0, "disk_blocks": n, "io_threads": io_threads}
         persistent = os.path.join(tmp, "persistent")
