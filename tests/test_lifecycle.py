@@ -1,7 +1,8 @@
 """Lifecycle and asyncio edges: close() from anywhere (done callbacks, garbage collection on a worker
-thread), a close that times out and a later one that finishes, the disk file never outliving the
-process, fork(), ``async with`` / ``aclose()`` off the event loop and their cancellation, start
-failures, callbacks that raise SystemExit, stats consistent with a transfer's end, typing, thread names.
+thread), a close that times out and a later one that finishes, the disk file (which has no name)
+closed only once no copy can use it and never outliving the process, fork(), ``async with`` /
+``aclose()`` off the event loop and their cancellation, start failures, callbacks that raise
+SystemExit, stats consistent with a transfer's end, typing, thread names.
 
 Tests that could hang or leave threads or files behind when the behaviour regresses run in a fresh
 interpreter (``run_script``) with a timeout.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import os
 import subprocess
 import sys
@@ -25,14 +27,34 @@ import torch
 import kvoffload
 from kvoffload._core import runtime as runtime_module
 from kvoffload._core.hostmem import HostBuffer
-from kvoffload._testing import copy_calls, disk_io
+from kvoffload._testing import copy_calls, disk_file_stat, disk_io
 from conftest import kvoffload_threads, random_caches
+
+
+def disk_file_identity(off: kvoffload.Offloader) -> tuple[int, int]:
+    """``(device, inode)`` of ``off``'s disk file, which has no name to look it up by."""
+    st = disk_file_stat(off)
+    return st.st_dev, st.st_ino
+
+
+def disk_file_open(identity: tuple[int, int]) -> bool:
+    """True while a file descriptor of this process is open on the file ``identity`` names."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:  # the descriptor listdir itself used, closed since
+            continue
+        if (st.st_dev, st.st_ino) == identity:
+            return True
+    return False
+
 
 SCRIPT_PRELUDE = """
 import asyncio, gc, os, sys, threading, time
 import kvoffload
-from kvoffload._testing import copy_calls, disk_io
+from kvoffload._testing import copy_calls, disk_file_stat, disk_io
 from conftest import random_caches
+""" + inspect.getsource(disk_file_identity) + inspect.getsource(disk_file_open) + """
 
 def kv_threads():
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvoffload"))
@@ -80,6 +102,7 @@ def test_close_on_a_worker_thread_hands_off_and_releases_everything(tmp_path, ho
         path = {str(path)!r}
         how = {how!r}
         off = kvoffload.Offloader(random_caches(16, seed=1), host_blocks=4, disk_path=path, disk_blocks=8).start()
+        disk = disk_file_identity(off)
         entered, release = gate_copies(off)
         t = off.store({{"a": 0}})
         assert entered.wait(10)
@@ -108,7 +131,8 @@ def test_close_on_a_worker_thread_hands_off_and_releases_everything(tmp_path, ho
         for th in threading.enumerate():
             if th.name.startswith("kvoffload-close"):
                 th.join(10)
-        print("file left:", os.path.exists(path))
+        print("disk file open:", disk_file_open(disk))
+        print("files left:", os.listdir(os.path.dirname(path)))
         print("threads left:", kv_threads())
         if holder:
             print("closed:", holder[0].closed)
@@ -121,15 +145,17 @@ def test_close_on_a_worker_thread_hands_off_and_releases_everything(tmp_path, ho
     """)
     out = proc.stdout
     assert "callback ran on: ['kvoffload-store']" in out, explain(proc)
-    assert "errors: []" in out and "file left: False" in out and "threads left: []" in out, explain(proc)
+    for line in ("errors: []", "disk file open: False", "files left: []", "threads left: []"):
+        assert line in out, f"missing {line!r}\n" + explain(proc)
     if how.startswith("close()"):
         assert "closed: True" in out and "store refused" in out, explain(proc)
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, explain(proc)
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_close_from_a_worker_thread_returns_at_once_and_a_later_close_waits_for_it(tmp_path, make_offloader, caches):
     off = make_offloader(caches, host_blocks=4, disk_path=tmp_path / "kv", disk_blocks=8)
+    disk = disk_file_identity(off)
     off.store({"a": 0}).result(10)
     returned = threading.Event()
     calls = copy_calls(off)
@@ -144,7 +170,7 @@ def test_close_from_a_worker_thread_returns_at_once_and_a_later_close_waits_for_
     t = off.store({"b": 1})
     assert returned.wait(10), "close() on the worker thread did not return"
     off.close()  # from this thread: waits for the handed-off shutdown
-    assert t.done() and not (tmp_path / "kv").exists() and not kvoffload_threads()
+    assert t.done() and not disk_file_open(disk) and list(tmp_path.iterdir()) == [] and not kvoffload_threads()
 
 
 # -- 2. a failed close, then a close that finishes -----------------------------------------------
@@ -155,6 +181,7 @@ def test_close_timeout_raises_close_error_and_a_later_close_finishes(tmp_path):
     proc = run_script(f"""
         path = {str(path)!r}
         off = kvoffload.Offloader(random_caches(16, seed=2), host_blocks=4, disk_path=path, disk_blocks=8).start()
+        disk = disk_file_identity(off)
         off.store({{"old": 3}}).result(10)
         entered, release = gate_copies(off)
         t = off.store({{"a": 0}})
@@ -168,7 +195,7 @@ def test_close_timeout_raises_close_error_and_a_later_close_finishes(tmp_path):
         except BaseException as e:
             print("first close:", type(e).__name__, e)
         print("first close took < 2 s:", time.monotonic() - t0 < 2)
-        print("file kept while the copy runs:", os.path.exists(path))
+        print("disk file open while the copy runs:", disk_file_open(disk))
         print("closed:", off.closed)
         try:
             off.store({{"b": 1}})
@@ -181,7 +208,8 @@ def test_close_timeout_raises_close_error_and_a_later_close_finishes(tmp_path):
         except BaseException as e:
             print("second close:", type(e).__name__, e)
         print("transfer ended:", t.done())
-        print("file left:", os.path.exists(path))
+        print("disk file open after close:", disk_file_open(disk))
+        print("files left:", os.listdir(os.path.dirname(path)))
         print("threads left:", kv_threads())
         off.close()
         print("third close: returned")
@@ -190,15 +218,15 @@ def test_close_timeout_raises_close_error_and_a_later_close_finishes(tmp_path):
     """)
     out = proc.stdout
     for line in (
-        "first close: CloseError True", "first close took < 2 s: True", "file kept while the copy runs: True",
-        "closed: True", "store refused", "second close: returned", "transfer ended: True", "file left: False",
-        "threads left: []", "third close: returned",
+        "first close: CloseError True", "first close took < 2 s: True", "disk file open while the copy runs: True",
+        "closed: True", "store refused", "second close: returned", "transfer ended: True",
+        "disk file open after close: False", "files left: []", "threads left: []", "third close: returned",
     ):
         assert line in out, f"missing {line!r}\n" + explain(proc)
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-# -- 3. the disk file never outlives the process -------------------------------------------------
+# -- 3. the disk file never outlives the process: it never has a name -------------------------------
 
 EXITS = {
     "close": "off.close()",
@@ -227,7 +255,7 @@ except kvoffload.CloseError:
 
 
 @pytest.mark.parametrize("how", list(EXITS))
-def test_disk_file_is_removed_on_every_exit(tmp_path, how):
+def test_the_disk_file_has_no_name_and_no_exit_leaves_a_file(tmp_path, how):
     path = tmp_path / "kv"
     proc = run_script(
         f"""
@@ -235,7 +263,7 @@ path = {str(path)!r}
 off = kvoffload.Offloader(random_caches(16, seed=3), host_blocks=8, disk_path=path, disk_blocks=16).start()
 for i in range(4):
     off.store({{("k", i): i}}).result(10)
-assert os.path.exists(path)
+assert disk_file_stat(off).st_nlink == 0 and os.listdir(os.path.dirname(path)) == []
 print("started")
 sys.stdout.flush()
 """
@@ -243,14 +271,13 @@ sys.stdout.flush()
         timeout=60,
     )
     assert "started" in proc.stdout, explain(proc)
-    assert not path.exists(), f"the disk file survived {how}\n" + explain(proc)
+    assert list(tmp_path.iterdir()) == [], f"a file survived {how}\n" + explain(proc)
     if how == "unhandled exception":
         assert "boom: unhandled" in proc.stderr and proc.returncode == 1, explain(proc)
     else:
         assert proc.returncode == 0, explain(proc)
     if how == "exit after a close that timed out":
         assert "close timed out" in proc.stdout, explain(proc)
-    assert list(tmp_path.iterdir()) == []
 
 
 # -- 4. fork() -------------------------------------------------------------------------------------
@@ -266,6 +293,7 @@ def test_forked_child_refuses_the_parents_offloader_and_leaves_it_alone(tmp_path
         child_ends = {child_ends!r}
         caches = random_caches(16, seed=4)
         off = kvoffload.Offloader(caches, host_blocks=2, disk_path=path, disk_blocks=8).start()
+        disk = disk_file_identity(off)
         for i in range(4):
             off.store({{("k", i): i}}).result(10)
         pid = os.fork()
@@ -299,17 +327,18 @@ def test_forked_child_refuses_the_parents_offloader_and_leaves_it_alone(tmp_path
             sys.exit(3 if problems else 0)  # runs the exit handlers in the child
         _, status = os.waitpid(pid, 0)
         print("child exit code:", os.waitstatus_to_exitcode(status))
-        print("file after the child:", os.path.exists(path))
+        print("disk file open after the child:", disk_file_open(disk))
         off.store({{"parent": 5}}).result(10)
         off.load({{("k", 0): 10, "parent": 11}}).result(10)
         print("parent lookup:", off.lookup([("k", 0), "parent"]))
         off.close()
-        print("file after close:", os.path.exists(path))
+        print("disk file open after close:", disk_file_open(disk))
+        print("files left:", os.listdir(os.path.dirname(path)))
         print("threads left:", kv_threads())
     """)
     out = proc.stdout
-    for line in ("child problems: []", "child exit code: 0", "file after the child: True", "parent lookup: 2",
-                 "file after close: False", "threads left: []"):
+    for line in ("child problems: []", "child exit code: 0", "disk file open after the child: True", "parent lookup: 2",
+                 "disk file open after close: False", "files left: []", "threads left: []"):
         assert line in out, f"missing {line!r}\n" + explain(proc)
     assert proc.returncode == 0, explain(proc)
 
@@ -363,7 +392,7 @@ async def test_async_with_keeps_the_event_loop_responsive_while_start_and_close_
             off.store({"b": 1})
 
     gap = await _max_loop_gap_while(body)
-    assert off.closed and not path.exists() and not kvoffload_threads()
+    assert off.closed and list(tmp_path.iterdir()) == [] and not kvoffload_threads()
     assert gap < 0.1, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
@@ -438,7 +467,7 @@ async def test_aclose_completes_even_if_its_task_is_cancelled(tmp_path, faults):
         gate.open()
     with pytest.raises(asyncio.CancelledError):
         await closing
-    assert t.done() and off.closed and not path.exists() and not kvoffload_threads()
+    assert t.done() and off.closed and list(tmp_path.iterdir()) == [] and not kvoffload_threads()
     await off.aclose()  # idempotent
 
 
@@ -447,17 +476,18 @@ async def test_aclose_raises_close_error_and_can_be_retried(tmp_path, faults):
     path = tmp_path / "kv"
     off = kvoffload.Offloader(random_caches(16, seed=8), host_blocks=4, disk_path=path, disk_blocks=8)
     await off.__aenter__()
+    disk = disk_file_identity(off)
     gate = faults.gate(off, "to_host")
     off.store({"a": 0})
     try:
         await gate.entered_async()
         with pytest.raises(kvoffload.CloseError):
             await off.aclose(timeout=0.1)
-        assert path.exists()
+        assert disk_file_open(disk), "the disk file was closed while a copy was still running"
     finally:
         gate.open()
     await off.aclose()
-    assert not path.exists() and not kvoffload_threads()
+    assert not disk_file_open(disk) and list(tmp_path.iterdir()) == [] and not kvoffload_threads()
 
 
 # -- 6. start failures -----------------------------------------------------------------------------
@@ -481,7 +511,10 @@ START_FAILURES = {
     # name: (offloader keyword arguments given tmp_path, expected cause type)
     "missing directory": (lambda tmp: dict(disk_path=tmp / "nope" / "kv", disk_blocks=8), FileNotFoundError),
     "read-only file system": (lambda tmp: dict(disk_path="/proc/kvoffload-test", disk_blocks=8), OSError),
-    "disk path is a directory": (lambda tmp: dict(disk_path=tmp / "dir", disk_blocks=8), (OSError, kvoffload.OffloadError)),
+    # without persistence nothing at disk_path is used, so a directory there is fine: only a persistent tier refuses it
+    "persistent disk path is a directory": (
+        lambda tmp: dict(disk_path=tmp / "dir", disk_blocks=8, persist=True), (OSError, kvoffload.OffloadError),
+    ),
     "no memory for the host tier": (lambda tmp: dict(host_blocks=(1 << 40) // 4096), (MemoryError, OSError)),
     "pinning fails": (lambda tmp: dict(disk_path=tmp / "kv", disk_blocks=8), kvoffload.OffloadError),
 }
@@ -497,17 +530,19 @@ def test_start_failures_raise_start_error_and_leave_nothing(tmp_path, monkeypatc
     assert slot_bytes(caches) == 4096
     before = set(tmp_path.iterdir())
     off = kvoffload.Offloader(caches, **{"host_blocks": 4, **kwargs(tmp_path)})
-    t0 = time.monotonic()
-    with pytest.raises(kvoffload.StartError) as info:
-        off.start()
-    assert time.monotonic() - t0 < 5, "start() took long to fail"
-    assert isinstance(info.value, kvoffload.OffloadError)
-    assert isinstance(info.value.__cause__, cause), repr(info.value.__cause__)
-    assert set(tmp_path.iterdir()) == before and (tmp_path / "dir").is_dir()
-    assert not kvoffload_threads()
-    with pytest.raises(kvoffload.ClosedError):
-        off.store({"a": 0})
-    off.close()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kvoffload.StartError) as info:
+            off.start()
+        assert time.monotonic() - t0 < 5, "start() took long to fail"
+        assert isinstance(info.value, kvoffload.OffloadError)
+        assert isinstance(info.value.__cause__, cause), repr(info.value.__cause__)
+        assert set(tmp_path.iterdir()) == before and (tmp_path / "dir").is_dir()
+        assert not kvoffload_threads()
+        with pytest.raises(kvoffload.ClosedError):
+            off.store({"a": 0})
+    finally:
+        off.close()  # also when start() wrongly succeeded: its threads would upset the next tests
 
 
 def test_start_error_from_os_error_keeps_errno_reachable(tmp_path):
