@@ -9,16 +9,22 @@ The model is a dict ``key -> bytes stored`` plus the LRU order of each tier as t
 it: stores go to host memory; when it needs room its least-recently-used entries are spilled to disk;
 when the disk is full too its least-recently-used entries are dropped (``stats().evicted``); a store
 larger than the host tier sends its first keys to disk (the disk's least-recently-used entries make
-room) and its last ones to host memory; a load makes its keys the most recently used of their tier. After a cancelled store the outcome is not
-fixed (how many spills and chunks landed), so the test reads it back and checks that it is one the
-documented semantics allow: spills complete in LRU order, the new keys visible are a prefix of the
-store's new keys, and none is visible unless all spills completed.
+room) and its last ones to host memory; a load makes its keys the most recently used of their tier.
+Promotion: a load's disk-resident keys take the host slots free when it is called (in the load's
+order), and become the most recently used host entries once loaded, keeping their disk copies as
+clean copies; a host victim with a clean copy goes back to disk without a write (not spilled), and
+disk room is made by dropping clean copies (oldest promotion first) before evicting anything. After
+a cancelled store the outcome is not fixed (how many spills and chunks landed), so the test reads it
+back and checks that it is one the documented semantics allow: spills complete in LRU order, the new
+keys visible are a prefix of the store's new keys, and none is visible unless all spills completed;
+likewise a cancelled load has promoted a prefix of its promotion candidates.
 
 After every step: every key is visible exactly when the model has it (so a stored key that was
 neither evicted nor discarded never disappears, and the keys dropped are exactly those the LRU
 policy names: ``stats().evicted`` must match the model's count), ``lookup`` agrees, the slot counts
-add up per tier, and nothing stays pending, pinned, spilling or in flight. While a transfer runs,
-every copy and IO call checks that the slot accounting adds up (capacity is never exceeded).
+add up per tier (clean copies included), ``spilled`` and ``promoted`` match the model, and nothing
+stays pending, pinned, spilling or in flight. While a transfer runs, every copy and IO call checks
+that the slot accounting adds up (capacity is never exceeded).
 
 Bytes: every load checks what it loaded; the ``verify_all`` rule loads every visible key (in a random
 order), and every sequence ends (and every close is preceded) by loading every visible key. The full
@@ -98,11 +104,12 @@ class Hooks:
         off = self.off
         if off is not None:
             c = off._running_storage().index.counts()  # stats() with the pending entries per tier
-            # Host slots: free + ready + pending, minus the spilling entries whose slot a pending entry borrows.
-            if c["host_free"] + c["host_ready"] + c["host_pending"] - c["spilling"] != c["host_slots"]:
+            # Host slots: free + ready + pending, minus the spilling entries whose slot a pending entry borrows,
+            # plus the slots promoting loads read into.
+            if c["host_free"] + c["host_ready"] + c["host_pending"] - c["spilling"] + c["host_promoting"] != c["host_slots"]:
                 self.violations.append(f"{where}: host slots do not add up: {c}")
-            # Disk slots: free + ready + pending (a large store's first keys) + the spills' destinations.
-            if c["disk_free"] + c["disk_ready"] + c["disk_pending"] + c["spilling"] != c["disk_slots"]:
+            # Disk slots: free + ready + pending (a large store's first keys) + the spills' destinations + clean copies.
+            if c["disk_free"] + c["disk_ready"] + c["disk_pending"] + c["spilling"] + c["disk_clean"] != c["disk_slots"]:
                 self.violations.append(f"{where}: disk slots do not add up: {c}")
             FIGURES["accounting-checks"] += 1
             if c["host_ready"] > c["host_slots"] or c["disk_ready"] > c["disk_slots"]:
@@ -144,41 +151,59 @@ class Model:
         self.data: dict = {}  # key -> {tensor name: block bytes}
         self.host: list = []  # least recently used first
         self.disk: list = []
+        self.clean: list = []  # host keys with a clean disk copy, oldest promotion first
         self.evicted = 0
         self.spilled = 0
+        self.promoted = 0
 
     def plan_store(self, keys: list):
-        """(new keys, skipped keys, spill victims, dropped keys, disk list after the drops, how many new
-        keys go to disk) or None for CapacityError."""
+        """(new keys, skipped keys, spill victims, dropped keys, disk list after the drops, clean copies
+        left, victims gone back to their clean copies, how many new keys go to disk) or None for CapacityError."""
         new = [k for k in keys if k not in self.data]
         skipped = [k for k in keys if k in self.data]
         if len(new) > HOST_SLOTS + DISK_SLOTS:  # nothing is pinned between steps: every entry is evictable
             return None
         direct = max(0, len(new) - HOST_SLOTS)  # a store larger than the host tier: its first keys go to disk
-        dropped: list = []
-        disk = list(self.disk)
-        while DISK_SLOTS - len(disk) < direct:
-            dropped.append(disk.pop(0))  # the disk's least recently used entries make room for them
-        disk_free = DISK_SLOTS - len(disk) - direct
         shortfall = max(0, len(new) - direct - (HOST_SLOTS - len(self.host)))
-        victims, spills = self.host[:shortfall], []
+        victims = self.host[:shortfall]
+        clean = list(self.clean)
+        disk = list(self.disk)
+        demoted = [v for v in victims if v in clean]  # back to their clean copies, nothing written
+        for v in demoted:
+            clean.remove(v)
+            disk.append(v)
+        dropped: list = []
+
+        def make_room() -> None:  # one disk slot: a clean copy goes (oldest promotion first), else the LRU disk entry
+            if clean:
+                clean.pop(0)
+            else:
+                dropped.append(disk.pop(0))
+
+        while DISK_SLOTS - len(disk) - len(clean) < direct:
+            make_room()
+        disk_free = DISK_SLOTS - len(disk) - len(clean) - direct
+        spills = []
         for v in victims:
+            if v in demoted:
+                continue
             if disk_free:
                 disk_free -= 1
                 spills.append(v)
-            elif disk:
-                dropped.append(disk.pop(0))  # the disk's least recently used entry makes room
+            elif clean or disk:
+                make_room()
                 spills.append(v)
             else:
                 dropped.append(v)
-        return new, skipped, spills, dropped, disk, direct
+        return new, skipped, spills, dropped, disk, clean, demoted, direct
 
     def apply_store(self, plan, blocks_bytes: dict, spills_done: int, published: int) -> None:
-        new, _, spills, dropped, disk, direct = plan
+        new, _, spills, dropped, disk, clean, demoted, direct = plan
         moved = spills[:spills_done]
-        gone = set(map(_h, dropped)) | set(map(_h, moved))
+        gone = set(map(_h, dropped)) | set(map(_h, moved)) | set(map(_h, demoted))
         self.host = [k for k in self.host if _h(k) not in gone] + new[direct:published]
         self.disk = disk + moved + new[: min(published, direct)]
+        self.clean = clean
         for k in dropped:
             del self.data[k]
         for k in new[:published]:
@@ -187,13 +212,25 @@ class Model:
         self.spilled += spills_done
         FIGURES["evictions"] += len(dropped)
         FIGURES["spills"] += spills_done
+        FIGURES["returns to clean copies"] += len(demoted)
 
-    def touch(self, keys: list) -> None:
-        """A load pins its keys in mapping order: each becomes the most recently used of its tier."""
+    def pin(self, keys: list) -> list:
+        """A load pins its keys in mapping order: each becomes the most recently used of its tier, and
+        its disk-resident keys take the free host slots, in order. Returns those (the candidates)."""
         for k in keys:
             lru = self.host if k in self.host else self.disk
             lru.remove(k)
             lru.append(k)
+        return [k for k in keys if k in self.disk][: HOST_SLOTS - len(self.host)]
+
+    def promote(self, keys: list) -> None:
+        """``keys`` landed in their host slots: the most recently used host entries, with clean disk copies."""
+        for k in keys:
+            self.disk.remove(k)
+            self.host.append(k)
+            self.clean.append(k)
+        self.promoted += len(keys)
+        FIGURES["promotions"] += len(keys)
 
     def discard(self, keys) -> int:
         n = 0
@@ -202,6 +239,8 @@ class Model:
                 n += 1
                 del self.data[k]
                 (self.host if k in self.host else self.disk).remove(k)
+                if k in self.clean:
+                    self.clean.remove(k)
         return n
 
     def lookup(self, keys) -> int:
@@ -351,9 +390,10 @@ class OffloaderMachine(RuleBasedStateMachine):
             assert ei.value.missing == (missing,)
             assert self.off.stats() == before  # nothing pinned, nothing moved
             return  # and the LRU order was not touched (the model's invariants check it later)
-        self.model.touch(keys)
+        promoting = self.model.pin(keys)
         r = self.run(self._await(self.off.load(dict(zip(keys, dests)))))
         assert list(r.keys) == keys
+        self.model.promote(promoting)
         self.check_load(keys, dests)
 
     def loadable(self, pick: list) -> list:
@@ -372,6 +412,21 @@ class OffloaderMachine(RuleBasedStateMachine):
     def discard(self, keys) -> None:
         self.count("discard")
         assert self.off.discard(keys) == self.model.discard(keys)
+
+    @rule(freed=st.integers(0, 2), picks=st.lists(st.integers(0, DISK_SLOTS - 1), min_size=1, max_size=3, unique=True),
+          dests=st.permutations(range(NUM_BLOCKS)))
+    def load_from_disk(self, freed, picks, dests) -> None:
+        """Discard the ``freed`` least recently used host entries, then load disk-resident keys (promotions)."""
+        self.count("load-from-disk")
+        victims = self.model.host[:freed]
+        assert self.off.discard(victims) == self.model.discard(victims)
+        keys = list(dict.fromkeys(self.model.disk[i % len(self.model.disk)] for i in picks)) if self.model.disk else []
+        if not keys:
+            return
+        promoting = self.model.pin(keys)
+        self.run(self._await(self.off.load(dict(zip(keys, dests)))))
+        self.model.promote(promoting)
+        self.check_load(keys, dests)
 
     @rule(kind=st.sampled_from(["store", "load"]), how=st.sampled_from(CANCEL_WAYS), at=st.integers(1, 6),
           pick=st.lists(st.sampled_from(KEYS), min_size=1, max_size=HOST_SLOTS + 3, unique=True),
@@ -398,12 +453,17 @@ class OffloaderMachine(RuleBasedStateMachine):
         s = self.off.stats()
         assert s.in_flight == 0 and s.pending == 0 and s.pinned == 0 and s.spilling == 0, s
         if kind == "load":
-            self.model.touch(keys)  # pinned at call time, whatever happened next
+            promoting = self.model.pin(keys)  # pinned at call time, whatever happened next
+            promoted = s.host_ready - len(self.model.host)  # those whose chunk landed before the cancel
+            assert 0 <= promoted <= len(promoting), (promoted, promoting, s)
+            if outcome == "done":
+                assert promoted == len(promoting), (promoted, promoting)
+            self.model.promote(promoting[:promoted])
             if outcome == "done":
                 self.check_load(keys, [blocks[k] for k in keys])
             return
         # Read back what the cancelled store left and check it is an outcome the semantics allow.
-        new, _, spills, _dropped, disk_after_drops, direct = plan
+        new, _, spills, _dropped, disk_after_drops, _clean, _demoted, direct = plan
         visible = [k in self.off for k in new]
         published = sum(visible)
         assert visible == [True] * published + [False] * (len(new) - published), (
@@ -501,10 +561,15 @@ class OffloaderMachine(RuleBasedStateMachine):
         s = self.off.stats()
         m = self.model
         assert (s.pending, s.pinned, s.spilling, s.in_flight) == (0, 0, 0, 0), s
-        assert s.host_free + s.host_ready == HOST_SLOTS and s.disk_free + s.disk_ready == DISK_SLOTS, s
+        assert s.host_free + s.host_ready == HOST_SLOTS and s.disk_free + s.disk_ready + len(m.clean) == DISK_SLOTS, (s, m.clean)
         assert (s.host_ready, s.disk_ready, s.ready) == (len(m.host), len(m.disk), len(m.data)), (s, m.host, m.disk)
         assert s.evicted == m.evicted, f"evicted {s.evicted}, the documented LRU policy drops {m.evicted}"
         assert s.spilled == m.spilled, (s.spilled, m.spilled)
+        assert s.promoted == m.promoted, (s.promoted, m.promoted)
+        # Which entries keep a clean disk copy, oldest promotion first (the order the disk drops them in):
+        # no count shows it, and a wrong choice only shows much later, as a spill where none was due.
+        clean = list(self.off._running_storage().index._clean)
+        assert clean == m.clean, (clean, m.clean)
         for k in KEYS:
             # a stored key neither evicted nor discarded does not disappear; nothing else appears
             assert (k in self.off) == (k in m.data), f"key {k!r}: offloader {k in self.off}, model {k in m.data}"
@@ -524,8 +589,9 @@ class OffloaderMachine(RuleBasedStateMachine):
         dests = CHECK_BLOCKS[: len(keys)]
         for t in self.caches.values():
             t[dests].zero_()
-        self.model.touch(keys)
+        promoting = self.model.pin(keys)
         self.run(self._await(self.off.load(dict(zip(keys, dests)))))
+        self.model.promote(promoting)
         self.check_load(keys, dests)
 
 
@@ -564,11 +630,13 @@ def test_random_operations_match_the_model(tmp_path, monkeypatch):
         f = FIGURES
         report_figure(
             f"test_model: {f['operations']} operations in {f['examples']} sequences ({time.perf_counter() - t0:.1f} s"
-            f"{', soak' if SOAK else ''}): {f['store']} stores, {f['load']} loads, {f['lookup']} lookups, "
+            f"{', soak' if SOAK else ''}): {f['store']} stores, {f['load'] + f['load-from-disk']} loads, {f['lookup']} lookups, "
             f"{f['discard']} discards, {f['cancel-store'] + f['cancel-load']} cancel attempts "
             f"({f['cancel-cancelled']} ended cancelled, {f['cancel-done']} completed first), "
             f"{f['reopen']} close/reopen; {f['full-checks']} full byte checks, "
-            f"{f['accounting-checks']} slot-accounting checks mid-transfer; {f['spills']} spills, {f['evictions']} evictions"
+            f"{f['accounting-checks']} slot-accounting checks mid-transfer; {f['spills']} spills, {f['evictions']} evictions, "
+            f"{f['promotions']} promotions, {f['returns to clean copies']} returns to clean copies"
         )
     assert not HOOKS.violations, HOOKS.violations[:3]
     assert f["cancel-cancelled"] > 0 and f["store"] > 0 and f["load"] > 0
+    assert f["promotions"] > 0 and f["returns to clean copies"] > 0

@@ -2,10 +2,13 @@
 
 The index is the one authority over which slot holds which key. These tests drive it exactly as the
 tiers do (reserve, write spills, spill done/failed, wait for readers, write and publish chunk by
-chunk, abort; pin, read, unpin; discard, evict), over a simulated memory in which every slot holds
+chunk, abort; pin, read a promotion's disk copy into its host slot, promotion done, read, unpin;
+discard, evict), over a simulated memory in which every slot holds
 the tag of the bytes last written there. A load checks, when it reads, that its slot still holds the
 tag it pinned: a slot handed to a new owner while a load still reads it, or freed twice, shows up as
-another key's bytes, as it would to a user.
+another key's bytes, as it would to a user. After every step each visible key's current copy, and
+its clean disk copy if it has one, hold its tag: a clean copy overwritten while its entry still
+counts on it would show there.
 
 ``test_interleavings_keep_every_slot_owned_once`` runs many stores, loads, discards and
 cancellations interleaved step by step at random (at least 100,000 steps per CI run, figure printed at
@@ -29,7 +32,7 @@ import pytest
 
 import kvoffload
 from conftest import Named, random_caches, report_figure, same_bytes
-from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, State
+from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
 
 # -- transitions, one by one ------------------------------------------------------------------
@@ -40,7 +43,11 @@ def two_tier(host: int = 2, disk: int = 2) -> BlockIndex:
 
 
 def store(ix: BlockIndex, *keys: Hashable) -> None:
-    r = ix.reserve(keys)
+    store_rest(ix, ix.reserve(keys))
+
+
+def store_rest(ix: BlockIndex, r: Reservation) -> None:
+    """What a store does after its reservation, when every write succeeds."""
     for s in r.spills:
         ix.spill_done(s)
     ix.publish(r.entries)
@@ -177,6 +184,136 @@ def test_lookup_never_runs_the_callers_iterable_under_the_lock():
     assert ix.lookup(k for k in ["a", "b", "c"] if k in ix) == 2
 
 
+def on_disk(ix: BlockIndex, *keys: Hashable) -> None:
+    """Store ``keys`` and spill them to disk by filling the host tier, then discard the fillers: every host slot is free."""
+    store(ix, *keys)
+    fillers = [("filler", i) for i in range(ix.counts()["host_slots"])]
+    store(ix, *fillers)
+    ix.discard(fillers)
+    assert all(ix._entries[k].tier == DISK for k in keys)
+
+
+def where(ix: BlockIndex, key: Hashable) -> tuple[int, int, int]:
+    """(tier, slot, clean disk slot) of ``key``'s entry."""
+    e = ix._entries[key]
+    return e.tier, e.slot, e.clean_slot
+
+
+def promote(ix: BlockIndex, *keys: Hashable) -> list[Pin]:
+    """A promoting load of ``keys``, to the end; its pins."""
+    pins = ix.pin(keys)
+    ix.promotion_done(pins)
+    ix.unpin(pins)
+    return pins
+
+
+def test_promotion_makes_a_disk_entry_host_resident_and_keeps_its_disk_slot_as_a_clean_copy():
+    ix = BlockIndex(2, 2, promote=True)
+    on_disk(ix, "a")
+    disk_slot = ix._entries["a"].slot
+    pins = ix.pin(["a"])
+    (p,) = pins
+    assert p.tier == DISK and p.promote_slot >= 0 and free(ix) == (1, 1)  # a host slot taken for the read
+    assert where(ix, "a") == (DISK, disk_slot, -1)  # still disk-resident until its bytes are in host memory
+    ix.check()
+    ix.promotion_done(pins)
+    assert where(ix, "a") == (HOST, p.promote_slot, disk_slot) and ix.promoted == 1
+    ix.unpin(pins)
+    c = ix.counts()
+    assert (c["host_ready"], c["disk_ready"], c["disk_clean"], c["host_free"], c["disk_free"]) == (1, 0, 1, 1, 1)
+    assert ix.pin(["a"])[0].tier == HOST  # the next load reads host memory
+    ix.check()
+
+
+def test_promotion_takes_only_free_host_slots_and_is_off_unless_asked_for():
+    ix = BlockIndex(2, 4, promote=True)
+    on_disk(ix, "a", "b")
+    store(ix, "h")  # one host slot left
+    pins = ix.pin(["a", "b"])
+    assert [p.promote_slot >= 0 for p in pins] == [True, False] and free(ix)[0] == 0
+    ix.unpin(pins)  # the load ended before its read landed: the slot goes back, nothing promoted
+    assert free(ix) == (1, 2) and ix.promoted == 0 and ix._entries["a"].tier == DISK
+    ix.check()
+    off = BlockIndex(2, 4)
+    on_disk(off, "a")
+    assert off.pin(["a"])[0].promote_slot == -1
+
+
+def test_a_host_victim_with_a_clean_copy_goes_back_to_it_without_a_spill():
+    ix = BlockIndex(1, 2, promote=True)
+    on_disk(ix, "a")
+    disk_slot = ix._entries["a"].slot
+    promote(ix, "a")
+    r = ix.reserve(["b"])
+    assert r.spills == [] and where(ix, "a") == (DISK, disk_slot, -1)  # nothing to write
+    ix.publish(r.entries)
+    assert (ix.spilled, ix.evicted) == (1, 0)  # the filler's spill in on_disk, nothing since
+    ix.check()
+
+
+def test_disk_room_drops_clean_copies_oldest_promotion_first_before_evicting():
+    ix = BlockIndex(4, 3, promote=True)
+    on_disk(ix, "a", "b", "c")  # the disk tier is full
+    store(ix, "x")
+    promote(ix, "a")
+    promote(ix, "b")
+    store(ix, "y")  # host, least recently used first: x, a, b, y; disk: c, and the clean copies of a and b
+    # x, the host victim, has no disk copy: its spill takes the disk slot of the oldest clean copy, a's.
+    store(ix, "w")
+    assert where(ix, "x")[0] == DISK and where(ix, "a")[::2] == (HOST, -1) and where(ix, "b")[2] >= 0
+    store(ix, "v")  # then a is the victim: b's clean copy goes
+    assert where(ix, "a")[0] == DISK and where(ix, "b")[::2] == (HOST, -1) and ix.evicted == 0
+    store(ix, "u")  # no clean copy left: the disk's least recently used entry is evicted for b's spill
+    assert "c" not in ix and ix.evicted == 1 and where(ix, "b")[0] == DISK
+    ix.check()
+
+
+def test_a_store_takes_back_the_host_slot_of_a_promotion_not_started_before_anything_else():
+    ix = BlockIndex(2, 4, promote=True)
+    on_disk(ix, "a", "b")
+    store(ix, "h")
+    pins = ix.pin(["a"])  # the last free host slot, for a's promotion
+    r = ix.reserve(["n"])  # host room: the promotion's slot, not h (nothing spilled)
+    assert r.spills == [] and pins[0].promote_slot == -1 and r.entries[0].tier == HOST
+    ix.publish(r.entries)
+    assert ix.start_promotion(pins) == [] and ix.spilled == 2 and "h" in ix  # the two spills of on_disk only
+    ix.discard(["n"])
+    started = ix.pin(["b"])
+    assert started[0].promote_slot >= 0 and ix.start_promotion(started) == started  # once its read started, the slot stays the load's
+    r = ix.reserve(["m"])
+    assert [sp.victim.key for sp in r.spills] == ["h"]  # so a store makes room elsewhere
+    store_rest(ix, r)
+    ix.promotion_done(started)
+    ix.unpin(pins + started)
+    assert ix._entries["b"].tier == HOST and ix._entries["a"].tier == DISK
+    ix.check()
+
+
+def test_a_promotion_is_declined_when_its_entry_was_discarded_or_promoted_meanwhile():
+    ix = BlockIndex(4, 2, promote=True)
+    on_disk(ix, "a", "b")
+    first, second = ix.pin(["a"]), ix.pin(["a"])  # two loads read a's disk copy, each into a host slot of its own
+    gone = ix.pin(["b"])
+    assert ix.discard(["b"]) == 1
+    ix.promotion_done(first + second + gone)
+    assert ix.promoted == 1 and where(ix, "a")[1] == first[0].promote_slot
+    assert free(ix) == (1, 0)  # the declined host slots are freed when their loads end
+    ix.unpin(first + second + gone)
+    assert free(ix) == (3, 1) and ix.counts()["disk_clean"] == 1
+    ix.check()
+
+
+def test_discarding_a_promoted_entry_frees_both_slots():
+    ix = BlockIndex(2, 2, promote=True)
+    on_disk(ix, "a")
+    promote(ix, "a")
+    pins = ix.pin(["a"])  # a load reads its host copy
+    assert ix.discard(["a"]) == 1 and free(ix) == (1, 2)
+    ix.unpin(pins)
+    assert free(ix) == (2, 2)
+    ix.check()
+
+
 def test_slots_freed_in_any_order_go_to_the_next_store_in_ascending_order():
     """A store's slots ascend, however their keys were discarded: runs of consecutive host slots
     are what its copies are batched by (one descriptor per run)."""
@@ -295,14 +432,34 @@ def store_process(w: World, names: list[str]) -> Generator[object, None, None]:
 
 
 def load_process(w: World, names: list[str]) -> Generator[object, None, None]:
-    """A load: pin, read each pinned slot at a later step and check it still holds the pinned bytes."""
+    """A load: pin; each promotion started (unless a store took its host slot back meanwhile), its disk
+    copy read into its host slot, then made the entry's host copy (or the read fails); then each pinned
+    copy read at a later step, checking it still holds the pinned bytes."""
     pins: list[Pin] = w.ix.pin(w.keys(names))
     expected = [w.tag[name_of(p.entry.key)] for p in pins]
     try:
         for p, want in zip(pins, expected):
+            if p.promote_slot < 0:
+                continue
+            yield "start promotion"
+            if not w.ix.start_promotion([p]):
+                FIGURES["promotion slots taken back"] += 1
+                continue  # read from its disk slot below
+            yield "read into host"
+            got = w.mem[DISK][p.slot]
+            assert got == want, f"promotion of {p.entry.key!r} read {got!r} from disk slot {p.slot}, expected {want!r}"
+            w.mem[HOST][p.promote_slot] = got  # nobody else may read or own this slot meanwhile
+            if w.rng.random() < 0.05:
+                FIGURES["promotion read failures"] += 1
+                raise IOError("injected")
+            yield "promote"
+            w.ix.promotion_done([p])
+            FIGURES["promotions"] += p.promoted
+        for p, want in zip(pins, expected):
             yield "read"
-            got = w.mem[p.tier][p.slot]
-            assert got == want, f"load of {p.entry.key!r} read {got!r} from {('host', 'disk')[p.tier]} slot {p.slot}, expected {want!r}"
+            tier, slot = (HOST, p.promote_slot) if p.promote_slot >= 0 else (p.tier, p.slot)
+            got = w.mem[tier][slot]
+            assert got == want, f"load of {p.entry.key!r} read {got!r} from {('host', 'disk')[tier]} slot {slot}, expected {want!r}"
             FIGURES["reads checked"] += 1
     finally:
         w.ix.unpin(pins)
@@ -324,13 +481,15 @@ def check_world(w: World) -> None:
     for k in visible:
         e = entries[k]
         assert w.mem[e.tier][e.slot] == w.tag[k], f"{k!r} in {('host', 'disk')[e.tier]} slot {e.slot} holds {w.mem[e.tier][e.slot]!r}"
+        if e.clean_slot >= 0:
+            assert w.mem[DISK][e.clean_slot] == w.tag[k], f"{k!r}'s clean copy in disk slot {e.clean_slot} holds {w.mem[DISK][e.clean_slot]!r}"
     c = w.ix.counts()
-    assert c["host_free"] + c["host_ready"] <= HOST_SLOTS and c["disk_free"] + c["disk_ready"] <= DISK_SLOTS, c
+    assert c["host_free"] + c["host_ready"] <= HOST_SLOTS and c["disk_free"] + c["disk_ready"] + c["disk_clean"] <= DISK_SLOTS, c
 
 
 def run_interleaving(seed: int, steps: int, kind: str) -> int:
     rng = random.Random(seed)
-    w = World(BlockIndex(HOST_SLOTS, DISK_SLOTS), rng, kind)
+    w = World(BlockIndex(HOST_SLOTS, DISK_SLOTS, promote=True), rng, kind)
     procs: list[tuple[str, Generator[object, None, None], object]] = []
     done = 0
     while done < steps:
@@ -390,8 +549,9 @@ def run_interleaving(seed: int, steps: int, kind: str) -> int:
         g.close()
     check_world(w)
     c = w.ix.counts()
-    assert c["host_free"] + c["host_ready"] == HOST_SLOTS and c["disk_free"] + c["disk_ready"] == DISK_SLOTS, c
+    assert c["host_free"] + c["host_ready"] == HOST_SLOTS and c["disk_free"] + c["disk_ready"] + c["disk_clean"] == DISK_SLOTS, c
     FIGURES["evictions"] += w.ix.evicted
+    FIGURES["clean copies at the end"] += c["disk_clean"]
     return done
 
 
@@ -410,8 +570,11 @@ def test_interleavings_keep_every_slot_owned_once():
         f"{f['stores cancelled']} stores and {f['loads cancelled']} loads cancelled mid-way, {f['discards']} keys discarded, "
         f"{f['spill writes']} spill writes ({f['spill failures']} failed), {f['heir waits']} heirs waited for a reader, "
         f"{f['staged writes']} blocks staged in host slots on their way to disk, "
+        f"{f['promotions']} promotions ({f['promotion read failures']} reads failed, "
+        f"{f['promotion slots taken back']} host slots taken back by stores before the read), "
         f"{f['evictions']} evictions, {f['reads checked']} reads checked, {f['capacity refusals']} capacity refusals"
     )
+    assert f["promotions"] > 0 and f["clean copies at the end"] > 0
 
 
 # -- the same on a real offloader ---------------------------------------------------------------

@@ -38,6 +38,21 @@ Entries
     evicted, or its store did not finish); what it still holds is released by
     whoever holds it. docs/design.md has the full table.
 
+    A READY entry is in one of three places; promotion (a load of a disk-resident
+    entry given a free host slot, :meth:`BlockIndex.pin`) and room-making move it::
+
+        READY (on disk)  --promotion done-->  READY (on host, clean disk copy)  --disk room: copy dropped-->  READY (on host)
+              ^                                            |
+              +-------------- host room: host copy dropped, nothing written -+
+
+    On host with a clean disk copy: its current copy is its host slot (loads read
+    it), and it still owns the disk slot it was promoted from (``Entry.clean_slot``),
+    whose bytes are its own, unchanged. When host memory needs room and it is the
+    victim, it goes back to that slot at once: no write, neither spilled nor
+    evicted. When the disk needs room, clean copies go first (the oldest
+    promotion first), before any disk entry is evicted; the entry stays in host
+    memory. A discard frees both slots. Only a READY host entry has a clean copy.
+
 Slots
     Every slot of a tier is either free (in the pool) or owned by exactly one
     entry; any slot may also have *readers* (running loads). A slot goes back to
@@ -45,7 +60,20 @@ Slots
     neither owner nor readers. A spilled entry's host slot changes owner in one
     step when its bytes are on disk: it becomes the slot of the store's new
     entry (the *heir*), which writes it only after its last reader is gone
-    (:meth:`BlockIndex.when_unread`).
+    (:meth:`BlockIndex.when_unread`). An entry owns at most one slot per tier:
+    its current copy's, plus on disk a clean copy (``Entry.clean_slot``) or, while
+    SPILLING, its spill's destination.
+
+    A promoting load takes a free host slot as a reader with no owner
+    (:attr:`Pin.promote_slot`). Until the load starts reading into it
+    (:meth:`BlockIndex.start_promotion`), a store that needs host room takes it
+    back before anything else (the load then reads that key the plain way): a
+    promotion never makes a store spill or evict. Once started, the IO threads
+    read the entry's disk slot into it, then :meth:`BlockIndex.promotion_done`
+    makes it the entry's host slot if the entry is still READY on disk.
+    Otherwise (discarded, or promoted by another load meanwhile) and when the
+    load fails or is cancelled, the slot goes back to the pool with the load's
+    last reader: one host copy per entry at most.
 
 Holds
     A lease (:meth:`BlockIndex.hold`) pins its hits as a load does, so no store evicts or spills
@@ -96,6 +124,9 @@ class Entry:
     slot: int
     loads: int = 0
     """Running loads that pinned this entry (for ``stats().pinned``)."""
+    clean_slot: int = -1
+    """A READY host entry's clean disk copy: the disk slot it was promoted from, still owned by it and
+    holding its bytes unchanged; -1: none. With ``slot`` (in ``tier``), the slots the entry owns."""
 
 
 @dataclass(eq=False, slots=True)
@@ -118,6 +149,13 @@ class Pin:
     slot: int
     held: bool = False
     """True once the slot's reader count includes this pin (set in the same step as the count)."""
+    promote_slot: int = -1
+    """A load's promotion: the free host slot its disk copy is read into, as a reader of it with no
+    owner until :meth:`BlockIndex.promotion_done` gives it to the entry; -1: none (or taken back by a
+    store before the read started). Set, with the slot's reader count, in one step; given back by
+    :meth:`BlockIndex.unpin`."""
+    promoted: bool = False
+    """True once the entry took ``promote_slot`` as its host copy."""
 
 
 @dataclass
@@ -281,10 +319,15 @@ R = TypeVar("R")
 
 
 class BlockIndex:
-    """One index over the host and disk tiers."""
+    """One index over the host and disk tiers.
 
-    def __init__(self, host_slots: int, disk_slots: int) -> None:
+    ``promote``: a load of disk-resident entries takes free host slots for them (promotion, see the
+    module docstring); never with one tier only.
+    """
+
+    def __init__(self, host_slots: int, disk_slots: int, promote: bool = False) -> None:
         self._lock = threading.Lock()
+        self._promote = promote and host_slots > 0 and disk_slots > 0
         self._entries: dict[Hashable, Entry] = {}
         """Index key -> entry, for every entry but GONE ones."""
         self._stand_ins = 0
@@ -295,6 +338,14 @@ class BlockIndex:
         self.evicted = 0
         self.evicted_by_tier = [0, 0]
         self.spilled = 0
+        self.promoted = 0
+        """Entries that became host-resident by a load's promotion."""
+        self._promoting = 0
+        """Host slots taken by promoting loads that no entry owns yet (pins with a ``promote_slot`` not ``promoted``)."""
+        self._unstarted: dict[Pin, None] = {}
+        """Pins whose promotion slot no read has started into yet, oldest first: a store may take those slots back."""
+        self._clean: OrderedDict[Hashable, Entry] = OrderedDict()
+        """Index key -> each entry with a clean disk copy, oldest promotion first: the order the disk drops them in."""
         self._holds: list[tuple[float, int, list[Pin]]] = []
         """Heap of (deadline, sequence number, pins) of the holds taken by :meth:`hold`, earliest first."""
         self._next_expiry = float("inf")
@@ -452,6 +503,9 @@ class BlockIndex:
                 "evicted_host": self.evicted_by_tier[HOST],
                 "evicted_disk": self.evicted_by_tier[DISK],
                 "spilled": self.spilled,
+                "promoted": self.promoted,
+                "host_promoting": self._promoting,
+                "disk_clean": len(self._clean),
             }
 
     def check(self) -> None:
@@ -469,7 +523,20 @@ class BlockIndex:
                 for key, e in tier.lru.items():
                     assert self._entries.get(key) is e and e.tier == t and e.state in (State.READY, State.SPILLING)
                     assert tier.owner[e.slot] is e, f"an entry reads {TIER_NAMES[t]} slot {e.slot} it does not own"
+                # Whoever owns a slot owns it as its current copy's; on disk also as its clean copy or as the
+                # destination of its spill; a GONE entry keeps what it held until whoever holds it lets go.
+                owned: set[int] = set()
+                for s, o in enumerate(tier.owner):
+                    if o is None:
+                        continue
+                    assert id(o) not in owned, f"an entry owns two {TIER_NAMES[t]} slots"
+                    owned.add(id(o))
+                    assert (
+                        o.state is State.GONE or (o.tier, o.slot) == (t, s)
+                        or (t == DISK and (s == o.clean_slot or o.state is State.SPILLING))
+                    ), f"{TIER_NAMES[t]} slot {s} is owned by an entry that does not use it ({o.state}, {TIER_NAMES[o.tier]} slot {o.slot})"
             stand_ins = 0
+            host, disk = self._tiers
             for key, e in self._entries.items():
                 assert e.index_key is key and e.state is not State.GONE
                 assert key is e.key or (type(key) is _StandIn and key.key is e.key and not _native(e.key))
@@ -477,8 +544,20 @@ class BlockIndex:
                 if e.state is State.PENDING:
                     assert key not in self._tiers[e.tier].lru
                 else:
-                    assert key in self._tiers[e.tier].lru
+                    assert key in self._tiers[e.tier].lru and key not in self._tiers[1 - e.tier].lru
+                if e.clean_slot >= 0:  # a clean disk copy: a READY host entry's, its bytes kept in a disk slot it owns
+                    assert e.state is State.READY and e.tier == HOST, f"a clean disk copy of a {e.state} {TIER_NAMES[e.tier]} entry"
+                    assert disk.owner[e.clean_slot] is e and self._clean.get(key) is e
+                else:
+                    assert key not in self._clean
             assert stand_ins == self._stand_ins, (stand_ins, self._stand_ins)
+            for key, e in self._clean.items():
+                assert self._entries.get(key) is e and e.clean_slot >= 0
+            # Each promoting load's host slot is taken (not free), read by the load and owned by nobody yet.
+            reserved = sum(1 for s in range(host.size) if host.owner[s] is None and host.readers[s])
+            assert 0 <= len(self._unstarted) <= self._promoting <= reserved, (len(self._unstarted), self._promoting, reserved)
+            for p in self._unstarted:
+                assert p.promote_slot >= 0 and not p.promoted and host.owner[p.promote_slot] is None
 
     # -- store side ---------------------------------------------------------------
 
@@ -487,11 +566,13 @@ class BlockIndex:
 
         Keys already present (in any state but GONE) are skipped. Room comes
         from free slots, then from least-recently-used READY entries that no load
-        reads: spilled to disk when the store tier is host memory and the disk
+        reads: one with a clean disk copy goes back to it (nothing written);
+        another is spilled to disk when the store tier is host memory and the disk
         has (or can make) room, evicted otherwise. A store larger than the host
         slots it can have (free or evictable) takes them all for its last keys and
-        disk slots for its first ones (``to_disk``), made by evicting the disk's
-        least-recently-used entries as needed. Raises :class:`CapacityError`, with
+        disk slots for its first ones (``to_disk``). Disk room is made by dropping
+        clean copies (oldest promotion first), then by evicting the disk's
+        least-recently-used entries. Raises :class:`CapacityError`, with
         nothing reserved, spilled or evicted, when too few slots can be had: its
         message tells a store larger than the tiers together from one refused
         because running transfers hold the slots.
@@ -539,31 +620,35 @@ class BlockIndex:
         tier = self._tiers[t]
         disk = self._tiers[DISK]
         n = len(new_keys)
-        shortfall = n - len(tier.free)
+        # Promotions not started yet give their host slots back first: they never cost a store anything.
+        taken_back = min(max(0, n - len(tier.free)), len(self._unstarted)) if t == HOST else 0
+        free = len(tier.free) + taken_back
+        shortfall = n - free
         victims: list[Entry] = []
-        disk_victims: list[Entry] = []
         direct = 0  # leading new keys that go to disk slots although the store tier is host memory
         if shortfall > 0:
             victims = self._evictable(t, shortfall)
             if len(victims) < shortfall:
                 # Larger than the host slots to be had: the first blocks go to disk (through the host slots
                 # that the last ones take), as long as the disk has or can make room for them.
-                host_room = len(tier.free) + len(victims)
+                host_room = free + len(victims)
                 direct = n - host_room
                 if t != HOST or not disk.size or not host_room:
                     raise self._capacity_error(n)
-                if direct > len(disk.free):
-                    disk_victims = self._evictable(DISK, direct - len(disk.free))
-                    if len(disk.free) + len(disk_victims) < direct:
-                        raise self._capacity_error(n)
+                if direct > len(disk.free) and direct - len(disk.free) > self._disk_room(direct - len(disk.free), victims):
+                    raise self._capacity_error(n)
         # Everything above only looked; from here on the index changes, and an interrupt (a signal
         # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
-        evicted: list[Entry] = []
+        changed: list[Entry] = []  # entries other than the victims that lost a slot: evicted, or a clean copy dropped
         entries: list[Entry] = []
         try:
-            for v in disk_victims:  # room on disk for the first blocks: its least recently used entries go
-                evicted.append(v)
-                self._evict(v)
+            self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
+            for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
+                if v.clean_slot >= 0:
+                    self._demote(v)
+            if direct > len(disk.free):  # room on disk for the first blocks (the look above made sure of it)
+                made = self._make_disk_room(direct - len(disk.free), changed)
+                assert made
             if found is not None:  # a key with methods of its own goes under a stand-in
                 index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
             pending = State.PENDING  # an enum member costs a descriptor call per use: once here
@@ -573,9 +658,10 @@ class BlockIndex:
             disk.take_in_order(entries[:direct])
             to_spill: list[tuple[Entry, int]] = []
             for v in victims:
-                disk_slot = self._disk_slot_for_spill(v, evicted) if t == HOST else None
+                if v.tier != t:  # gone back to its clean disk copy
+                    continue
+                disk_slot = self._disk_slot_for_spill(v, changed) if t == HOST else None
                 if disk_slot is None:
-                    evicted.append(v)
                     self._evict(v)
                 else:
                     to_spill.append((v, disk_slot))
@@ -594,7 +680,7 @@ class BlockIndex:
             into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
             return into
         except BaseException:
-            self._undo_reserve(victims, evicted, entries)
+            self._undo_reserve(victims + changed, entries)
             raise
 
     def _capacity_error(self, n: int) -> CapacityError:
@@ -608,7 +694,13 @@ class BlockIndex:
                 f"({disk.size} slots) together",
                 requested=n, capacity=capacity,
             )
-        room = [(name, len(t.free), len(self._evictable(i, t.size)), t.size) for i, (name, t) in enumerate(zip(TIER_NAMES, self._tiers))]
+        room = [
+            (
+                name, len(t.free) + (len(self._unstarted) if i == HOST else 0),
+                len(self._evictable(i, t.size)) + (len(self._droppable_clean(t.size, [])) if i == DISK else 0), t.size,
+            )
+            for i, (name, t) in enumerate(zip(TIER_NAMES, self._tiers))
+        ]
         note = ""
         if not host.size or not disk.size:
             name, free, evictable, size = room[self.store_tier]
@@ -621,42 +713,62 @@ class BlockIndex:
                 note = " (blocks bound for disk go through host slots: a store needs at least one)"
         return CapacityError(f"{msg}; the rest are in use by running transfers or held by leases{note}", requested=n, capacity=capacity)
 
-    def _undo_reserve(self, victims: list[Entry], evicted: list[Entry], entries: list[Entry]) -> None:
+    def _undo_reserve(self, changed: list[Entry], entries: list[Entry]) -> None:
         """Under the lock, after an exception cut :meth:`_reserve` short: the new entries go, every victim
-        not evicted stays where it was, an eviction cut short completes; then the free lists are rebuilt
-        from slot ownership (the one truth here). Evictions that completed stay done."""
+        whose spill was planned stays where it was, and every entry changed is made whole as its fields
+        say (an eviction, a return to a clean copy or a clean copy's drop that was cut short completes);
+        then the free lists are rebuilt from slot ownership (the one truth here). What completed stays done."""
         for e in entries:
             e.state = State.GONE
             self._unlist(e)
             self._disown(e)
-        for v in victims:
-            if v.state is State.SPILLING:
+        for v in changed:
+            if v.state is State.SPILLING:  # its spill never started: the disk slot taken for it goes
                 v.state = State.READY
-            if v.tier == HOST:  # a disk slot taken for its spill that never started
-                self._disown(v, DISK)
-        for v in evicted:
-            if v.state is State.GONE:  # its eviction may have been cut short in _forget or after it
-                self._unlist(v)
-                self._disown(v)
+            self._reconcile(v)
         for tier in self._tiers:
             tier.free = [s for s in range(tier.size - 1, -1, -1) if tier.owner[s] is None and not tier.readers[s]]
+
+    def _reconcile(self, e: Entry) -> None:
+        """Under the lock, after an interrupt: ``e``'s places in the index's dicts and the slots it owns made
+        to match its state, tier, slot and clean copy (a GONE entry: out of the dicts, owning nothing)."""
+        key = e.index_key
+        if e.state is State.GONE:
+            self._unlist(e)
+            self._disown(e)
+            return
+        for t, tier in enumerate(self._tiers):
+            listed = tier.lru.get(key) is e
+            if listed and (t != e.tier or e.state is State.PENDING):
+                del tier.lru[key]
+            elif not listed and t == e.tier and e.state is not State.PENDING:
+                tier.lru[key] = e
+        if (self._clean.get(key) is e) != (e.clean_slot >= 0):
+            if e.clean_slot >= 0:
+                self._clean[key] = e
+            else:
+                del self._clean[key]
+        keep = {(e.tier, e.slot), (DISK, e.clean_slot)}
+        for t, tier in enumerate(self._tiers):
+            for s, owner in enumerate(tier.owner):
+                if owner is e and (t, s) not in keep:
+                    tier.owner[s] = None
 
     def _unlist(self, e: Entry) -> None:
         """Take a GONE entry out of the index's dicts, wherever :meth:`_forget` left it (idempotent)."""
         if self._entries.get(e.index_key) is e:
             del self._entries[e.index_key]
             self._stand_ins -= type(e.index_key) is _StandIn
-        for tier in self._tiers:
-            if tier.lru.get(e.index_key) is e:
-                del tier.lru[e.index_key]
+        for lru in (self._tiers[HOST].lru, self._tiers[DISK].lru, self._clean):
+            if lru.get(e.index_key) is e:
+                del lru[e.index_key]
 
-    def _disown(self, e: Entry, tier_index: int | None = None) -> None:
-        """Every slot ``e`` owns (in ``tier_index``, or both tiers) is owned by nobody. Rare paths only: scans."""
-        for t, tier in enumerate(self._tiers):
-            if tier_index is None or t == tier_index:
-                for s, owner in enumerate(tier.owner):
-                    if owner is e:
-                        tier.owner[s] = None
+    def _disown(self, e: Entry) -> None:
+        """Every slot ``e`` owns is owned by nobody. Rare paths only: scans."""
+        for tier in self._tiers:
+            for s, owner in enumerate(tier.owner):
+                if owner is e:
+                    tier.owner[s] = None
 
     def _evictable(self, t: int, n: int) -> list[Entry]:
         out: list[Entry] = []
@@ -668,20 +780,73 @@ class BlockIndex:
                 out.append(e)
         return out
 
-    def _disk_slot_for_spill(self, victim: Entry, evicted: list[Entry]) -> int | None:
+    def _droppable_clean(self, n: int, victims: list[Entry]) -> list[Entry]:
+        """Up to ``n`` entries whose clean disk copy no load reads, oldest promotion first, ``victims`` aside."""
+        out: list[Entry] = []
+        readers = self._tiers[DISK].readers
+        aside = {id(v) for v in victims}
+        for e in self._clean.values():
+            if len(out) == n:
+                break
+            if not readers[e.clean_slot] and id(e) not in aside:
+                out.append(e)
+        return out
+
+    def _disk_room(self, n: int, victims: list[Entry]) -> int:
+        """How many of ``n`` disk slots beyond the free ones a store could have (only looks): clean copies to
+        drop, disk entries to evict, and ``victims`` (host victims) going back to their clean copies, which
+        are evictable once there."""
+        room = len(self._droppable_clean(n, victims))
+        if room < n:
+            room += len(self._evictable(DISK, n - room))
+        readers = self._tiers[DISK].readers
+        room += sum(1 for v in victims if v.clean_slot >= 0 and not readers[v.clean_slot])
+        return room
+
+    def _make_disk_room(self, n: int, changed: list[Entry]) -> bool:
+        """Free ``n`` disk slots: drop clean copies (oldest promotion first), then evict the disk's least
+        recently used entries; each entry changed is appended to ``changed`` first. False if too few could go."""
+        left = n
+        for e in self._droppable_clean(n, []):
+            changed.append(e)
+            self._drop_clean_copy(e)
+            left -= 1
+        if left:
+            for e in self._evictable(DISK, left):
+                changed.append(e)
+                self._evict(e)
+                left -= 1
+        return not left
+
+    def _disk_slot_for_spill(self, victim: Entry, changed: list[Entry]) -> int | None:
         disk = self._tiers[DISK]
-        if not disk.free:
-            old = self._evictable(DISK, 1)  # make room on disk by evicting its oldest entry
-            if not old:
-                return None
-            evicted.append(old[0])
-            self._evict(old[0])
+        if not disk.free and not self._make_disk_room(1, changed):
+            return None
         return disk.take(victim)
 
+    def _demote(self, e: Entry) -> None:
+        """A READY host entry with a clean disk copy goes back to it: disk-resident (most recently used
+        there), its host slot released; nothing is written, nothing counted as spilled or evicted."""
+        host_slot = e.slot
+        e.tier, e.slot, e.clean_slot = DISK, e.clean_slot, -1  # one step: no call between
+        del self._clean[e.index_key]
+        del self._tiers[HOST].lru[e.index_key]
+        self._tiers[DISK].lru[e.index_key] = e
+        self._release(HOST, host_slot, e)
+
+    def _drop_clean_copy(self, e: Entry) -> None:
+        """A host entry lets go of its clean disk copy: the disk slot is released; the entry stays as it is."""
+        disk_slot = e.clean_slot
+        e.clean_slot = -1
+        del self._clean[e.index_key]
+        self._release(DISK, disk_slot, e)
+
     def _evict(self, e: Entry) -> None:
-        """READY -> GONE to make room; its slot is free at once (nobody reads it)."""
+        """READY -> GONE to make room; its slots are free at once (nobody reads them)."""
         self._forget(e)
         self._release(e.tier, e.slot, e)
+        if e.clean_slot >= 0:
+            self._release(DISK, e.clean_slot, e)
         self.evicted += 1
         self.evicted_by_tier[e.tier] += 1
 
@@ -758,24 +923,32 @@ class BlockIndex:
         is not visible. The pins are appended to ``into`` as they are taken (:attr:`Pin.held`), so that
         a caller an interrupt stops anywhere can give back exactly what it holds (:meth:`unpin` skips
         pins not held).
+
+        With promotion on, each pin of a disk-resident entry takes a free host slot while there is one
+        (:attr:`Pin.promote_slot`; nothing is evicted or spilled for it): the load reads the disk copy
+        into it, then calls :meth:`promotion_done`.
         """
         keys = list(keys)
         out: list[Pin] = [] if into is None else into
         self._expire_holds()
-        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out, taking))
+        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out, taking, self._promote))
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
         return pins
 
     def _pin(
         self, keys: list[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
+        promote: bool = False,
     ) -> tuple[list[Pin], list[Hashable]]:
-        """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not visible."""
+        """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
+        visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`)."""
         held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
         missing = [k for k, e, h in zip(keys, found, held) if not h and not self._visible(e)]
         if missing:
             return pins, missing
         moved: list[tuple[Pin, Pin]] = []
+        host, ready = self._tiers[HOST], State.READY
+        host_free, host_readers = host.free, host.readers
         try:
             for i, e in enumerate(found):
                 if held[i]:
@@ -785,15 +958,23 @@ class BlockIndex:
                     moved.append((p, old))
                     pins.append(p)
                     p.held, old.held = True, False  # one step: the hold passes from the lease to the load
-                    continue
-                assert e is not None
-                tier = self._tiers[e.tier]
-                p = Pin(e, e.tier, e.slot)
-                pins.append(p)
-                tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
-                e.loads += 1
-                p.held = True
-                tier.lru.move_to_end(e.index_key)
+                else:
+                    assert e is not None
+                    tier = self._tiers[e.tier]
+                    p = Pin(e, e.tier, e.slot)
+                    pins.append(p)
+                    tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
+                    e.loads += 1
+                    p.held = True
+                    tier.lru.move_to_end(e.index_key)
+                e = p.entry
+                if promote and host_free and p.tier == DISK and e.tier == DISK and e.state is ready:
+                    slot = host_free[-1]
+                    host_readers[slot] += 1  # these five in one step: no call between them
+                    del host_free[-1]
+                    p.promote_slot = slot
+                    self._promoting += 1
+                    self._unstarted[p] = None
         except BaseException:  # an interrupt: give back what was pinned so far, and taken holds to their lease
             for p, old in moved:
                 if p.held:
@@ -803,8 +984,59 @@ class BlockIndex:
                     p.held = False
                     self._tiers[p.tier].readers[p.slot] -= 1
                     p.entry.loads -= 1
+                slot = p.promote_slot
+                if slot >= 0:
+                    p.promote_slot = -1
+                    host_readers[slot] -= 1
+                    self._promoting -= 1
+                    if p in self._unstarted:
+                        del self._unstarted[p]
+                    self._release(HOST, slot, None)
             raise
         return pins, missing
+
+    def start_promotion(self, pins: Iterable[Pin]) -> list[Pin]:
+        """The load is about to read the disk copies of ``pins`` into their promotion slots: from now on no
+        store takes those back. Returns the pins whose slot is still theirs (a store took the others':
+        read those keys the plain way)."""
+        with self._lock:
+            started = [p for p in pins if p in self._unstarted]
+            for p in started:
+                del self._unstarted[p]
+            return started
+
+    def _take_back_promotions(self, n: int) -> None:
+        """Under the lock: free the host slots of up to ``n`` promotions no read has started into, the
+        latest first (their loads read those keys the plain way)."""
+        host = self._tiers[HOST]
+        for p in list(reversed(self._unstarted))[:n]:
+            slot = p.promote_slot
+            host.readers[slot] -= 1  # these four in one step: no call between them
+            p.promote_slot = -1
+            self._promoting -= 1
+            del self._unstarted[p]
+            self._release(HOST, slot, None)
+
+    def promotion_done(self, pins: Iterable[Pin]) -> None:
+        """The disk copies of ``pins`` are in their :attr:`Pin.promote_slot` host slots: each entry still READY on
+        disk at the slot its pin read becomes host-resident there (most recently used), keeping that disk slot as
+        its clean copy. A pin whose entry was discarded or promoted by another load meanwhile promotes nothing:
+        its host slot goes back with the load's :meth:`unpin`."""
+        with self._lock:
+            host, disk = self._tiers
+            for p in pins:
+                slot, e = p.promote_slot, p.entry
+                if slot < 0 or p.promoted or not (e.state is State.READY and e.tier == DISK and e.slot == p.slot):
+                    continue
+                assert host.owner[slot] is None and host.readers[slot]
+                del disk.lru[e.index_key]
+                host.owner[slot] = e
+                e.tier, e.slot, e.clean_slot = HOST, slot, p.slot
+                p.promoted = True
+                self._promoting -= 1
+                self.promoted += 1
+                host.lru[e.index_key] = e
+                self._clean[e.index_key] = e
 
     def hold(self, keys: Iterable[Hashable], into: list[Pin], hold_s: float) -> int:
         """Pin the current copy of each leading visible key (a lease; each becomes most recently used)
@@ -829,7 +1061,7 @@ class BlockIndex:
         self._holds_taken += 1
         heapq.heappush(self._holds, (deadline, self._holds_taken, pins))  # first: an interrupt below leaves
         self._next_expiry = self._holds[0][0]  # a hold that expires, never one held for good
-        self._pin([e.key for e in found[:n] if e is not None], found[:n], pins)
+        self._pin([e.key for e in found[:n] if e is not None], found[:n], pins)  # a lease never promotes
         return n
 
     def _expire_holds(self) -> None:
@@ -860,28 +1092,34 @@ class BlockIndex:
         self._released_later.append(pins)
 
     def unpin(self, pins: Iterable[Pin]) -> None:
-        """Release pins taken by :meth:`pin` or :meth:`hold` (those still held: each goes back once).
+        """Release pins taken by :meth:`pin` or :meth:`hold` (those still held: each goes back once), and
+        their promotions' host slots (freed unless the entry took them).
 
         A lease releases its pins in the caller's thread: an interrupt (a signal handler's
         ``KeyboardInterrupt``) anywhere in here loses no slot and no waiter; the pins it did not
         reach stay held (unpin them again)."""
         ready: list[Callable[[], object]] = []
         interrupted: BaseException | None = None
+        host = self._tiers[HOST]
         with self._lock:
             try:
                 for p in pins:
-                    if not p.held:
-                        continue
-                    p.held = False
-                    tier = self._tiers[p.tier]
-                    tier.readers[p.slot] -= 1  # these three in one step: no call, no jump between them
-                    p.entry.loads -= 1
-                    if not tier.readers[p.slot]:
-                        self._release(p.tier, p.slot, None)
-                        waiting = self._unread_waiters.get(p.slot) if p.tier == HOST else None
-                        if waiting is not None:
-                            ready += waiting  # these two in one step
-                            del self._unread_waiters[p.slot]
+                    if p.held:
+                        p.held = False
+                        tier = self._tiers[p.tier]
+                        tier.readers[p.slot] -= 1  # these three in one step: no call, no jump between them
+                        p.entry.loads -= 1
+                        if not tier.readers[p.slot]:
+                            self._last_reader_gone(p.tier, p.slot, ready)
+                    slot = p.promote_slot
+                    if slot >= 0:
+                        p.promote_slot = -1  # these four in one step: no call between them
+                        host.readers[slot] -= 1
+                        self._promoting -= not p.promoted
+                        if p in self._unstarted:
+                            del self._unstarted[p]
+                        if not host.readers[slot]:
+                            self._last_reader_gone(HOST, slot, ready)
             except BaseException as e:
                 interrupted = e
                 self._repair_after_interrupt(ready)
@@ -889,6 +1127,15 @@ class BlockIndex:
             callback()
         if interrupted is not None:
             raise interrupted
+
+    def _last_reader_gone(self, t: int, slot: int, ready: list[Callable[[], object]]) -> None:
+        """Under the lock: ``slot`` of tier ``t`` has no readers left: free it if unowned, and add what waited
+        for that (a heir waiting to write a host slot) to ``ready``."""
+        self._release(t, slot, None)
+        waiting = self._unread_waiters.get(slot) if t == HOST else None
+        if waiting is not None:
+            ready += waiting  # these two in one step
+            del self._unread_waiters[slot]
 
     def _repair_after_interrupt(self, ready: list[Callable[[], object]]) -> None:
         """Under the lock, after an interrupt cut :meth:`unpin` short: the free lists are rebuilt from
@@ -904,8 +1151,9 @@ class BlockIndex:
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget keys (in any state); returns how many were present.
 
-        A READY entry's slot is released at once (freed when no load reads it);
-        a PENDING or SPILLING entry's slots are released when its store ends.
+        A READY entry's slots (a clean disk copy's too) are released at once
+        (freed when no load reads them); a PENDING or SPILLING entry's slots are
+        released when its store ends.
         """
         # an unhashable key raises TypeError in _KeyBatch, before anything is forgotten
         return self._under_lock(list(keys), lambda items, found: self._discard(found))
@@ -925,11 +1173,15 @@ class BlockIndex:
                 self._forget(e)
                 if forgotten and forgotten[-1] is e:
                     self._release(e.tier, e.slot, e)
+                    if e.clean_slot >= 0:
+                        self._release(DISK, e.clean_slot, e)
         except BaseException:  # an interrupt: the READY entries forgotten so far give their slots back
             for e in forgotten:
                 if e.state is gone:
                     self._unlist(e)
                     self._release(e.tier, e.slot, e)
+                    if e.clean_slot >= 0:
+                        self._release(DISK, e.clean_slot, e)
             raise
         return n
 
@@ -940,6 +1192,8 @@ class BlockIndex:
         del self._entries[e.index_key]
         self._stand_ins -= e.index_key.__class__ is _StandIn  # no call between these two: one step
         self._tiers[e.tier].lru.pop(e.index_key, None)
+        if e.clean_slot >= 0:
+            self._clean.pop(e.index_key, None)
 
     def _release(self, t: int, slot: int, owner: Entry | None) -> None:
         """``owner`` lets go of ``slot`` (None: a reader let go); the slot is free once unowned and unread.

@@ -53,7 +53,11 @@ class HostTier:
         """Copies of slots into cache blocks (``(slot, block id)`` pairs), one per chunk."""
         if len(pairs) == 1:
             return [CopyRequest(False, self.rows, (pairs[0][1],), (pairs[0][0],))]
-        return [CopyRequest(False, self.rows, [b for _, b in c], [s for s, _ in c]) for c in chunked(pairs, self.chunk_blocks)]
+        return [self.request_out(c) for c in chunked(pairs, self.chunk_blocks)]
+
+    def request_out(self, pairs: Sequence[tuple[int, int]]) -> CopyRequest:
+        """One copy of slots into cache blocks (``(slot, block id)`` pairs), however many."""
+        return CopyRequest(False, self.rows, [b for _, b in pairs], [s for s, _ in pairs])
 
     async def copy_in(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
         """Copy cache blocks into slots (``(block id, slot)`` pairs) on the store worker's loop;

@@ -7,6 +7,14 @@ then copies its own blocks, publishing each chunk as it lands. A store larger
 than the host slots it can have sends its first blocks to disk slots, staged
 in the host slots its last blocks then take. A load pins each key's current
 copy and reads host-resident keys and disk-resident keys in turn.
+
+Promotion (``promote=True``): a load's disk-resident keys that got free host
+slots when it was called (:meth:`BlockIndex.pin`) are read by the IO threads
+straight into those slots (the host slab is pinned and page-aligned: no bounce
+buffer), become host-resident as each chunk lands, and are copied to the cache
+from there by the host tier's copy: no extra copy. Their disk slots stay theirs,
+as clean copies. A store that needs host room before a chunk's read started
+takes its slots back; those keys are then read like the others on disk.
 """
 
 from __future__ import annotations
@@ -14,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
-from ..diskfile import IoCalls
+from ..diskfile import IoBatch, IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, HandOver, QuickJob
@@ -166,6 +175,7 @@ class TieredStorage:
         chunk_blocks: int,
         io_threads: int,
         use_page_cache: bool,
+        promote: bool = False,
     ) -> None:
         self.layout = layout
         self.workers = workers
@@ -173,7 +183,7 @@ class TieredStorage:
         self.chunk_blocks = chunk_blocks
         self.tensor_names = tuple(dict.fromkeys(p.name for p in layout.pieces))
         """The caches' tensors in copy order (a per-tensor load reports them in this order)."""
-        self.index = BlockIndex(host_blocks, disk_blocks)
+        self.index = BlockIndex(host_blocks, disk_blocks, promote=promote)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self._disk_io_left: dict[str, int] = {}
@@ -359,19 +369,65 @@ class TieredStorage:
         self._start(load_worker, transfer, hand_over, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
-        """Copy host-resident keys, then disk-resident keys, into their cache blocks."""
+        """Copy host-resident keys, then disk-resident keys being promoted, then the other disk-resident
+        keys into their cache blocks."""
         plan.taken = time.perf_counter()
         if after is not None:
             self.workers.load.copier.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
-        from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK]
+        promoting = [(p, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK and p.promote_slot >= 0]
+        from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK and p.promote_slot < 0]
         if from_host:
             assert self.host is not None
             await self.host.copy_out(from_host)
+        if promoting:
+            from_disk += await self._load_promoting(promoting)
         if from_disk:
             assert self.disk is not None
             await self.disk.load(from_disk)
         return plan.result()
+
+    async def _load_promoting(self, pairs: list[tuple[Pin, int]]) -> list[tuple[int, int]]:
+        """Load ``(pin, block id)`` pairs through their pins' promotion host slots, chunk by chunk: the IO
+        threads read a chunk's disk slots straight into its host slots (the next chunk's read already
+        running), its entries become host-resident (:meth:`BlockIndex.promotion_done`), and the host
+        tier's copy takes it to the cache. Returns ``(disk slot, block id)`` of the keys whose host slot a
+        store took back before their read started, for the plain disk load. On error or cancellation,
+        every read started is waited for before the exception propagates: nothing writes the host slots
+        once the load lets them go."""
+        host, disk, worker = self.host, self.disk, self.workers.load
+        assert host is not None and disk is not None
+        chunks = chunked(pairs, self.chunk_blocks)
+        reads: deque[tuple[list[tuple[Pin, int]], IoBatch | None]] = deque()  # chunks read: pairs still promoting, their read
+        taken_back: list[tuple[int, int]] = []
+        last: Any = None  # completion event of the last copy out of the host slots
+
+        def start_read(i: int) -> None:
+            started = {id(p) for p in self.index.start_promotion([p for p, _ in chunks[i]])}
+            mine = [(p, b) for p, b in chunks[i] if id(p) in started]
+            taken_back.extend((p.slot, b) for p, b in chunks[i] if id(p) not in started)
+            batch = disk.read_rows(host.array, [p.promote_slot for p, _ in mine], [p.slot for p, _ in mine]) if mine else None
+            reads.append((mine, batch))
+
+        try:
+            for i in range(len(chunks)):
+                while len(reads) < 2 and i + len(reads) < len(chunks):  # this chunk and the next one
+                    start_read(i + len(reads))
+                mine, batch = reads[0]
+                if batch is not None:
+                    await batch.wait()
+                reads.popleft()
+                if mine:
+                    self.index.promotion_done([p for p, _ in mine])
+                    last = await worker.copy(host.request_out([(p.promote_slot, b) for p, b in mine]))
+            await worker.wait(last)
+        except BaseException:
+            for _, batch in reads:
+                if batch is not None:
+                    await batch.settle()
+            await worker.settle(last)
+            raise
+        return taken_back
 
     def counts(self) -> TierCounts:
         """Slot use, entry states and the tiers' counters (readable from any thread, also while or after closing)."""
@@ -383,6 +439,7 @@ class TieredStorage:
             pending=c["pending"], pinned=c["pinned"], spilling=c["spilling"], evicted_host=c["evicted_host"],
             evicted_disk=c["evicted_disk"], spilled=c["spilled"], disk_bytes_written=io.get("bytes_written", 0),
             disk_bytes_read=io.get("bytes_read", 0), disk_io_errors=io.get("errors", 0),
+            host_pending=c["host_pending"], disk_pending=c["disk_pending"], promoted=c["promoted"],
         )
 
     def disk_io(self) -> IoCalls | None:
