@@ -129,6 +129,29 @@ def test_an_expired_lease_gives_its_pins_back_and_its_load_pins_anew(make_offloa
     assert_index_sound(off)
 
 
+def test_an_expired_lease_frees_a_waiting_store_with_no_other_call(make_offloader, caches, tmp_path, faults):
+    """A store that spills a held hit to disk waits for the lease before writing the hit's host slot.
+    The lease expires at its deadline with nobody calling the offloader, and the store finishes; a
+    lease with a later deadline taken first does not delay it."""
+    off = make_offloader(caches, host_blocks=2, disk_path=tmp_path / "kv.bin", disk_blocks=4)
+    off.store({"v": 1, "w": 2}).result(10)  # host memory full; "v" is the least recently used
+    later = off.lookup(["w"], hold=True, hold_s=60)
+    writes = faults.gate(off, "pwritev")
+    store = off.store({"new": 3})  # spills "v" to disk; "new" then takes its host slot
+    lease = off.lookup(["v"], hold=True, hold_s=0.5)  # a reader of that host slot, until it expires
+    assert lease.count == 1
+    writes.open()
+    writes.wait_passed()
+    assert not store.done()  # the spill is on disk: the store waits for the lease
+    store.result(timeout=5)  # nothing else calls the offloader meanwhile
+    assert off.stats().pinned == 1  # "w", held for a minute more
+    later.release()
+    assert off.stats().pinned == 0
+    off.load({"v": 40, "new": 41}, lease=lease).result(10)  # expired: pinned anew, "v" from disk
+    assert block_bytes(caches, 40) == block_bytes(caches, 1) and block_bytes(caches, 41) == block_bytes(caches, 3)
+    assert_index_sound(off)
+
+
 def test_a_load_with_a_released_lease_pins_anew_or_raises_missing_keys(make_offloader, caches):
     off = make_offloader(caches, host_blocks=4)
     off.store({"a": 1, "b": 2}).result(10)

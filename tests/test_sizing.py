@@ -15,6 +15,7 @@ import torch
 import kvoffload
 from conftest import kvoffload_threads, random_caches
 from kvoffload._core import hostmem
+from kvoffload._testing import disk_file_stat
 from kvoffload._core.cuda import driver
 from kvoffload._core.index import BlockIndex
 from kvoffload._core.tiers.tiered_storage import TieredStorage
@@ -57,7 +58,7 @@ async def test_byte_sizes_give_whole_slots(caches, tmp_path):
         await off.store({i: i for i in range(16)})
         assert off.lookup(range(16)) == 16
         assert (off.stats().host_slots, off.stats().disk_slots) == (10, 16)
-        assert os.path.getsize(tmp_path / "kv") == 16 * SLOT
+        assert disk_file_stat(off).st_size == 16 * SLOT
     assert not os.listdir(tmp_path)
 
 
@@ -185,7 +186,8 @@ def test_the_footprint_is_what_start_allocates(caches, tmp_path, monkeypatch, ho
         need = Footprint.of(off.layout, off.options, off.options.tier_slots(SLOT))
         assert sum(allocated) == need.host_slab + need.disk_bounce
         assert need.disk_bounce == (2 if host_blocks else 4) * 3 * SLOT and need.host_slab == host_blocks * SLOT
-        assert need.disk_file == os.path.getsize(tmp_path / "kv") == 8 * SLOT and need.gpu_staging == 0
+        assert need.disk_file == disk_file_stat(off).st_size == 8 * SLOT and need.gpu_staging == 0
+        assert off.stats().gpu_staging_bytes == 0  # CPU caches: no staging
 
 
 @pytest.mark.gpu
@@ -201,6 +203,25 @@ def test_the_gpu_staging_buffers_are_what_the_footprint_says():
         taken = torch.cuda.memory_allocated() - before
         assert need.gpu_staging == 4 * (1 << 20)
         assert need.gpu_staging <= taken < need.gpu_staging + (1 << 20), (taken, need.gpu_staging)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("copy_engine, buffers", [("kernel", 4), ("dma", 0)])
+def test_stats_report_the_gpu_staging_bytes_the_sizing_section_gives(copy_engine, buffers):
+    """README, Sizing: ``4 * chunk`` of GPU memory with ``copy_engine="kernel"``, none with ``"dma"``;
+    ``stats().gpu_staging_bytes`` says so while started, and what start() allocated agrees."""
+    chunk = 1 << 20  # whole slots of random_caches' blocks
+    caches = random_caches(64, device="cuda", seed=4)
+    off = kvoffload.Offloader(caches, host_blocks=8, chunk_bytes=chunk, copy_engine=copy_engine)
+    assert off.stats().gpu_staging_bytes == 0  # not started: nothing allocated
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with off:
+        taken = torch.cuda.memory_allocated() - before
+        assert off.stats().gpu_staging_bytes == buffers * chunk
+        assert buffers * chunk <= taken < buffers * chunk + (1 << 20), (taken, off.stats().gpu_staging_bytes)
+    assert off.stats().gpu_staging_bytes == 0  # freed at close
 
 
 def test_failed_pinning_names_the_memlock_limit(monkeypatch):

@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 import kvoffload  # noqa: E402
-from kvoffload._testing import copy_calls  # noqa: E402
+from kvoffload._testing import copy_calls, disk_file_stat  # noqa: E402
 
 NUM_BLOCKS = 64
 PAGE = 3 * 1024  # bytes per GPU block per layer tensor: not a multiple of 4096 on purpose
@@ -109,7 +109,8 @@ def test_scheduler_call_order_round_trips_byte_for_byte(spec_and_worker):
     manager = spec.get_manager()
     orig = snapshot(caches)
     if tiers == "host+disk":
-        assert os.path.exists(tmp_path / "kv.dp0.rank_0"), "rank 0 of engine 0 keeps its own disk file"
+        assert os.path.basename(worker.disk_path) == "kv.dp0.rank_0", "rank 0 of engine 0 has its own disk path"
+        assert os.listdir(tmp_path) == [], "its file has no name"
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
     ks = keys("a", 4)  # 4 chunks = 8 GPU blocks
@@ -176,6 +177,98 @@ def test_the_managers_evictions_reach_the_worker_and_pins_hold(spec_and_worker):
     manager.complete_load(more + first[:2], ctx)
 
 
+def stored_loads_byte_for_byte(manager, worker, caches, orig, src_of: dict, job_id: int) -> None:
+    """Every chunk the manager holds as stored loads, as the scheduler loads it, the bytes stored from ``src_of[key]``."""
+    ctx = ReqContext(req_id="check")
+    live = manager.stored_keys()
+    assert [manager.lookup(k, ctx) for k in live] == [LookupResult.HIT] * len(live)
+    load = manager.prepare_load(live, ctx)
+    dst = list(range(NUM_BLOCKS - BPC * len(live), NUM_BLOCKS))
+    run_job(worker, worker.submit_load, job_id, load, gpu_spec(dst))
+    manager.complete_load(live, ctx)
+    assert_blocks(caches, orig, dst, [b for k in live for b in src_of[k]])
+
+
+def test_a_chunk_evicted_in_a_step_is_not_stored_again_in_that_step(spec_and_worker):
+    """Every store spec of a scheduler step carries the step's evictions so far, and the worker discards
+    them before it stores. A chunk evicted early in a step and offered again later in it (a request whose
+    prefix the GPU cache still holds offers every chunk) would be discarded by the specs after it, while
+    the manager serves it: it is not stored again before the next step."""
+    spec, worker, caches, _, _ = spec_and_worker
+    manager = spec.get_manager()
+    orig = snapshot(caches)
+    ctx = ReqContext(req_id="r")
+    first = keys("first", 8)
+    out = manager.prepare_store(first, ctx)
+    run_job(worker, worker.submit_store, 1, gpu_spec(list(range(16))), out.store_spec)
+    manager.complete_store(first, ctx)
+    manager.on_schedule_end(None)
+    src_of = {k: [2 * i, 2 * i + 1] for i, k in enumerate(first)}
+    # one scheduler step: a store evicts first[0]; a request offers first[0] again; another store follows
+    a, b = keys("a", 1), keys("b", 1)
+    out_a = manager.prepare_store(a, ctx)
+    assert out_a.evicted_keys == [first[0]]
+    again = manager.prepare_store(first[:1], ctx)
+    out_b = manager.prepare_store(b, ctx)
+    manager.on_schedule_end(None)
+    jobs = [(out_a, a, [20, 21]), (again, again.keys_to_store, [0, 1]), (out_b, b, [22, 23])]
+    for job_id, (out, ks, src) in enumerate(jobs, start=2):  # the worker runs them in the step's order
+        if ks:
+            run_job(worker, worker.submit_store, job_id, gpu_spec(src), out.store_spec)
+            manager.complete_store(ks, ctx)
+            src_of[ks[0]] = src
+    stored_loads_byte_for_byte(manager, worker, caches, orig, src_of, job_id=9)
+    assert again.keys_to_store == [] and manager.lookup(first[0], ctx) == LookupResult.MISS
+    assert worker.offloader.stats().evicted == 0
+
+
+def test_a_chunk_evicted_while_the_worker_spills_it_costs_no_other_chunk(tmp_path, faults):
+    """A chunk the manager evicts may still be on its way to disk in the worker (a store before made room
+    in host memory by spilling it); its disk slot is free only once that spill ends. The next store waits
+    for it, rather than have the offloader evict, behind the manager's back, a chunk the manager serves."""
+    spec = OffloadingSpecFactory.create_spec(
+        offloading_config({"host_blocks": 4, "disk_blocks": 12, "disk_path": str(tmp_path / "kv")}))
+    caches = canonical_caches(seed=4)
+    worker = spec.get_worker(caches)
+    try:
+        manager = spec.get_manager()  # 8 chunks, 2 of them in host memory
+        orig = snapshot(caches)
+        ctx = ReqContext(req_id="r")
+        old, hot = keys("old", 5), keys("hot", 2)
+        src_of = {}
+        for job_id, (ks, first_block) in enumerate([(old, 0), (hot, 10)], start=1):
+            out = manager.prepare_store(ks, ctx)
+            src = list(range(first_block, first_block + BPC * len(ks)))
+            run_job(worker, worker.submit_store, job_id, gpu_spec(src), out.store_spec)
+            manager.complete_store(ks, ctx)
+            manager.on_schedule_end(None)
+            src_of |= {k: src[BPC * i:BPC * i + BPC] for i, k in enumerate(ks)}
+        load = manager.prepare_load(old, ctx)  # the old chunks (on disk) become the most recently used
+        run_job(worker, worker.submit_load, 3, load, gpu_spec(list(range(40, 50))))
+        manager.complete_load(old, ctx)
+        # One scheduler step, two stores: the first fits (the worker spills hot[0] to disk for it), the
+        # second makes the manager evict hot[0], its least recently used chunk.
+        n1, n2 = keys("n1", 1), keys("n2", 1)
+        out1 = manager.prepare_store(n1, ctx)
+        out2 = manager.prepare_store(n2, ctx)
+        manager.on_schedule_end(None)
+        assert out1.evicted_keys == [] and out2.evicted_keys == [hot[0]]
+        writes = faults.gate(worker.offloader, "pwritev")
+        assert worker.submit_store(4, gpu_spec([20, 21]), out1.store_spec)
+        writes.wait_entered()  # hot[0] is on its way to disk
+        assert worker.submit_store(5, gpu_spec([22, 23]), out2.store_spec)
+        writes.open()
+        worker.wait({4, 5})
+        assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [(4, True), (5, True)]
+        manager.complete_store(n1, ctx)
+        manager.complete_store(n2, ctx)
+        src_of |= {n1[0]: [20, 21], n2[0]: [22, 23]}
+        assert worker.offloader.stats().evicted == 0, "the offloader evicted behind the manager's back"
+        stored_loads_byte_for_byte(manager, worker, caches, orig, src_of, job_id=6)
+    finally:
+        worker.shutdown()
+
+
 def test_a_failed_transfer_is_reported_as_failed(spec_and_worker):
     spec, worker, caches, _, _ = spec_and_worker
     manager = spec.get_manager()
@@ -196,6 +289,12 @@ def test_a_failed_transfer_is_reported_as_failed(spec_and_worker):
     assert all((0, k, 0) not in worker.offloader for k in ks)
 
 
+def test_the_workers_offloader_promotes_nothing(spec_and_worker):
+    """A load from disk leaves no copy in host memory: the manager counts every slot."""
+    _, worker, _, _, _ = spec_and_worker
+    assert worker.offloader.options.promote is False
+
+
 def test_hybrid_models_and_missing_sizes_are_refused():
     with pytest.raises(ValueError, match="one KV cache group"):
         OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16}, groups=2))
@@ -214,7 +313,8 @@ def test_each_rank_uses_its_own_disk_file(tmp_path):
             offloading_config({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}, rank=rank))
         workers.append(spec.get_worker(canonical_caches(seed=rank)))
     try:
-        assert sorted(os.listdir(tmp_path)) == ["kv.dp0.rank_0", "kv.dp0.rank_1"]
+        assert [os.path.basename(w.disk_path) for w in workers] == ["kv.dp0.rank_0", "kv.dp0.rank_1"]
+        assert len({disk_file_stat(w.offloader).st_ino for w in workers}) == 2 and os.listdir(tmp_path) == []
     finally:
         for w in workers:
             w.shutdown()
@@ -306,7 +406,9 @@ def test_engines_sharing_a_disk_path_never_share_a_file(tmp_path):
             spec = OffloadingSpecFactory.create_spec(
                 config_of({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv")}, dp=dp))
             workers.append(spec.get_worker(canonical_caches(seed=dp)))
-        assert [os.path.basename(w.disk_path) for w in workers] == ["kv.dp0.rank_0", "kv.dp1.rank_0", "kv.dp0.rank_0.1"]
+        assert [os.path.basename(w.disk_path) for w in workers] == ["kv.dp0.rank_0", "kv.dp1.rank_0", "kv.dp0.rank_0"]
+        assert len({disk_file_stat(w.offloader).st_ino for w in workers}) == 3, "two engines share a file"
+        assert os.listdir(tmp_path) == [], "a disk file has a name"
     finally:
         for w in workers:
             w.shutdown()

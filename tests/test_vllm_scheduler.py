@@ -431,6 +431,36 @@ def test_a_store_waits_while_a_load_holds_the_host_tier(make_engine: Callable[..
     assert (s.evicted, s.failed) == (0, 0), s
 
 
+def test_a_chunk_evicted_while_the_worker_spills_it_costs_no_other_chunk(
+    make_engine: Callable[..., Engine], tmp_path: Any, faults: Any,
+) -> None:
+    """Two stores of one step: the first makes room in host memory by spilling the oldest host chunk to
+    disk, the second makes the manager evict that very chunk. Until the spill ends its disk slot is not
+    free: the second store waits for it, instead of the offloader evicting a disk chunk the manager
+    still serves (whose load would then fail, and stop vLLM)."""
+    engine = make_engine(tiers("host+disk", tmp_path))  # 8 chunks, 2 in host memory
+    old = [prompt(80 + i, chunks=1) for i in range(5)]
+    hot = [prompt(90 + i, chunks=1) for i in range(2)]
+    for p in old + hot:  # old chunks end on disk, hot ones in host memory
+        engine.run(p)
+    engine.drop_gpu_prefix_cache()
+    engine.run(*(p + [1] for p in old))  # loaded: the hot chunks are now the manager's least recently used
+    assert engine.loads_checked == 5
+    engine.add(prompt(100, chunks=1))
+    engine.add(prompt(101, chunks=1))
+    engine.step()  # both computed: their stores are prepared in this step, the second evicting hot[0]
+    writes = faults.gate(engine.worker.offloader, "pwritev")
+    engine.step(wait_when_idle=False)  # the worker submits both stores; hot[0] is on its way to disk
+    writes.wait_entered()
+    writes.open()
+    engine.run_until_idle()
+    assert engine.counter(Metric.EVICTED_CHUNKS) == 1
+    engine.drop_gpu_prefix_cache()
+    reqs = engine.run(*(p + [2] for p in old))  # vLLM stops at a failed load
+    assert [hits(engine, r) for r in reqs] == [BPC * BLOCK] * 5
+    assert engine.worker.offloader.stats().evicted == 0, "the offloader evicted behind the manager's back"
+
+
 def test_hit_sources_and_kvoffload_metrics_reach_vllm(make_engine: Callable[..., Engine], tmp_path: Any) -> None:
     engine = make_engine(tiers("host+disk", tmp_path))  # host memory holds 2 chunks
     engine.worker.stats_period_s = 0  # every step's figures, not one read a second

@@ -21,7 +21,9 @@ How it maps onto vLLM's contract:
   store needs room it evicts least-recently-used stored chunks nobody loads, and sends their
   keys to the workers inside the store spec (every spec of a scheduler step carries the
   step's evictions so far, whichever of them a worker submits first): a worker discards them
-  before it stores, so the offloader's own eviction never fires behind the manager's back.
+  before it stores, so the offloader's own eviction never fires behind the manager's back. A
+  chunk evicted in a step is not stored again in that step (a later spec of the step would
+  discard the new copy).
 * A cache reset (``reset_prefix_cache(reset_connector=True)``, ``pause``/``sleep``) forgets
   every chunk, stored, being stored or pinned, and starts a new *generation*. Every spec
   carries its generation and workers key blocks by it, so nothing stored before a reset can
@@ -29,11 +31,32 @@ How it maps onto vLLM's contract:
   older ones, and stores of an older generation still running are dropped as they end.
 * A worker (one per rank) wraps one :class:`kvoffload.Offloader` over vLLM's canonical KV
   tensors, keyed per GPU block as ``(generation, chunk key, block index in the chunk)``, so a
-  load that starts in the middle of a chunk reads exactly its blocks. Stores are queued in
-  order; a part that cannot get slots because running loads (or stores) hold them waits for
-  them to end instead of failing. Only an IO or CUDA error fails a job, reported with
-  ``success=False`` (vLLM 0.33 then stops the worker: that is its choice; silent corruption
-  would be ours).
+  load that starts in the middle of a chunk reads exactly its blocks. Its offloader promotes
+  nothing (``promote=False``): the manager counts every slot. Stores start in order, each job
+  whole (one larger than host memory sends its first blocks on to disk); a store that cannot
+  get slots because running loads (or stores) hold them waits for them to end instead of
+  failing. Only an IO or CUDA error fails a job, reported with ``success=False`` (vLLM 0.33
+  then stops the worker: that is its choice; silent corruption would be ours).
+
+Why a hit the manager reports is still there when the worker loads it (no lease is taken):
+
+* Against the manager's evictions, its pins. vLLM calls ``lookup`` and ``prepare_load`` (which
+  pins) in one scheduler step, holding the manager for the step, and every ``prepare_store``
+  of the step comes after them (``build_connector_meta``); a pin lasts until ``complete_load``,
+  which vLLM calls only once every worker reported the load, and a worker reports it after the
+  offloader has released the load's slots. Stores a worker submits before that load were
+  prepared in earlier steps, whose evictions the lookup already saw, or (jobs vLLM flushes at
+  once) later in the same step, after the pin.
+* Against the offloader's own eviction: it evicts only when a store finds too few free or
+  spillable slots, and the manager never promises more chunks than there are slots. The slots
+  of chunks the manager evicted are free once the worker discards them, except one a running
+  store is spilling to disk: its disk slot is free when that spill ends. So after discards
+  that find something, the next store waits for the stores running then to end. Stores of an
+  older generation are waited for the same way, and vLLM flushes every job at a reset.
+* A lease (``lookup(keys, hold=True)``) would not help here: a worker sees a load's keys only in
+  ``submit_load``, where the load pins them anyway, and the manager's lookup runs in another
+  process.
+
 * One KV cache group only: a hybrid model with several groups is refused.
 """
 
@@ -42,8 +65,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import difflib
-import errno
-import fcntl
 import functools
 import os
 import re
@@ -75,14 +96,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import CapacityError, Offloader, Options, StartError, Transfer
+from . import CapacityError, Offloader, Options, Transfer
 from ._core.options import parse_size
 
 __all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
 
 _SLOT_ALIGN = 4096
-_MAX_DISK_FILES = 64
-"""Suffixes tried for a rank's disk file when other live offloaders (other engines) hold the names before."""
 
 # -- configuration ------------------------------------------------------------------------
 
@@ -136,7 +155,7 @@ class ExtraConfig:
     disk_blocks: int
     """Disk slots per rank (vLLM blocks)."""
     disk_path: str | None
-    """The stem of the disk files: each rank of each engine gets its own (:func:`disk_file_stem`)."""
+    """The stem of the disk paths: each rank of each engine gets its own (:func:`disk_file_stem`)."""
     offloader_options: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of :class:`kvoffload.Offloader`."""
 
@@ -195,7 +214,8 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
             f"(got {host_key or 'no host size'}, {disk_key or 'no disk size'}: {host_blocks} host and {disk_blocks} "
             f"disk slots per rank, fewer than one chunk of {blocks_per_chunk} blocks)"
         )
-    options: dict[str, Any] = {"expedited_loads": True}  # vLLM waits on expedited loads at once
+    # vLLM waits on expedited loads at once; the manager owns capacity: a load leaves no copy behind (promote)
+    options: dict[str, Any] = {"expedited_loads": True, "promote": False}
     for key in _OFFLOADER_KEYS:
         if key not in extra:
             continue
@@ -218,29 +238,12 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
 
 
 def disk_file_stem(disk_path: str, data_parallel_index: int, rank: int) -> str:
-    """The disk file of one rank of one data-parallel engine: ``<disk_path>.dp<D>.rank_<R>``.
+    """The disk path of one rank of one data-parallel engine: ``<disk_path>.dp<D>.rank_<R>``.
 
-    A worker takes the first of that name and ``<name>.1``, ``<name>.2``, ... that no live
-    offloader holds, so several ``vllm serve`` processes given one ``disk_path`` never collide.
+    Its file has no name while the engine runs (the disk tier's file is nameless unless persistent),
+    so several ``vllm serve`` processes given one ``disk_path`` never collide.
     """
     return f"{disk_path}.dp{data_parallel_index}.rank_{rank}"
-
-
-def _held_by_live_offloader(path: str) -> bool:
-    """True if a regular file at ``path`` is flock'ed by a live offloader (of any process)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError as e:
-        return e.errno == errno.EWOULDBLOCK
-    finally:
-        os.close(fd)
-    return False
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         Metric.DISK_BYTES: counter("Bytes read from and written to the disk files (summed over ranks).", ("direction",)),
         Metric.DISK_IO_ERRORS: counter("Disk IO calls that failed (summed over ranks)."),
         Metric.FAILED_JOBS: counter("Jobs reported failed: IO or CUDA errors (summed over ranks).", ("kind",)),
-        Metric.STORE_WAITS: counter("Store parts that waited for slots held by running transfers (summed over ranks)."),
+        Metric.STORE_WAITS: counter("Stores that waited for slots held by running transfers (summed over ranks)."),
         Metric.JOB_SECONDS: hist("Seconds from a job's submission to its end, per rank.", ("kind",), _JOB_SECONDS_BUCKETS),
     }
 
@@ -376,8 +379,9 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._pins: collections.Counter[OffloadKey] = collections.Counter()
         self._on_host: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
         """With both tiers: chunks (stored or being stored) expected in host memory, in the workers' LRU order."""
-        self._step_evictions: list[OffloadKey] = []
-        """Chunks evicted during this scheduler step: every store spec of the step carries them."""
+        self._step_evictions: dict[OffloadKey, None] = {}
+        """Chunks evicted during this scheduler step, in order: every store spec of the step carries
+        them, and none of them is stored again before the step ends (a later spec would discard it)."""
         self._stats = _new_stats() if _stats_available() else None
 
     def _free(self) -> int:
@@ -426,7 +430,8 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
                 self._pins[k] -= 1
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        new = [k for k in dict.fromkeys(keys) if k not in self._ready and k not in self._storing]
+        # A chunk evicted this step waits for the next one: this step's later specs discard it.
+        new = [k for k in dict.fromkeys(keys) if k not in self._ready and k not in self._storing and k not in self._step_evictions]
         shortfall = len(new) - self._free()
         evicted: list[OffloadKey] = []
         if shortfall > 0:
@@ -443,7 +448,7 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
                 self._on_host.pop(k, None)
             self._count(Metric.EVICTED_CHUNKS, len(evicted))
         self._storing.update(new)
-        self._step_evictions += evicted
+        self._step_evictions.update(dict.fromkeys(evicted))
         if self.host_capacity:
             self._place_on_host(new)
         spec = KeysSpec(new, list(self._step_evictions), self.generation)
@@ -478,7 +483,7 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: Any) -> None:
-        self._step_evictions = []
+        self._step_evictions = {}
 
     def reset_cache(self) -> None:
         """Forget every chunk (stored, being stored, pinned) and start a new generation: the
@@ -487,7 +492,7 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._storing.clear()
         self._pins.clear()
         self._on_host.clear()
-        self._step_evictions = []
+        self._step_evictions = {}
         self.generation += 1
         self._count(Metric.RESETS)
 
@@ -523,19 +528,18 @@ def _stats_available() -> bool:
 
 @dataclass(eq=False)
 class _StoreJob:
-    """A store job: its blocks, stored in parts of at most one tier's size, one after another."""
+    """A store job waiting to start: one offloader store of all its blocks (a job larger than host
+    memory sends its first blocks on to the disk tier)."""
 
     job_id: int
     generation: int
-    blocks: list[tuple[Hashable, int]]
-    """(offloader key, GPU block id) in order."""
+    blocks: dict[Hashable, int]
+    """Offloader key -> GPU block id, in order."""
+    evicted: list[Hashable]
+    """The blocks of the chunks its spec says the manager evicted: discarded right before it starts."""
     after: Any
-    """A CUDA event the copies follow (later parts start from worker threads), or None."""
+    """A CUDA event the copies follow (a store that waits starts from a worker thread), or None."""
     started: float
-    next: int = 0
-    """Index in ``blocks`` of the first block not yet handed to the offloader."""
-    running: Transfer | None = None
-    nbytes: int = 0
     waited: bool = False
 
 
@@ -547,14 +551,11 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         disk_file: str | None, options: dict[str, Any],
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk
-        self.store_limit = host_blocks or disk_blocks
-        """Blocks per store call: a job larger than the store tier is stored in parts, in turn, so
-        that each part spills the one before it to disk."""
         tensors = {f"tensor.{i}": t.tensor for i, t in enumerate(kv_caches.tensors)}
         self.cuda = kv_caches.tensors[0].tensor.is_cuda
         self.offloader = _start_offloader(tensors, host_blocks, disk_blocks, disk_file, options)
         self.disk_path = self.offloader.options.disk_path
-        """The file this rank's disk tier uses (None without one)."""
+        """The disk path this rank's offloader was given (None without a disk tier)."""
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
         self._reported: dict[int, threading.Event] = {}
@@ -562,9 +563,12 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self._loads: dict[int, Transfer] = {}
         """Load jobs not yet reported: :meth:`wait` waits on them itself."""
         self._stores: collections.deque[_StoreJob] = collections.deque()
-        """Store jobs with parts not yet handed to the offloader, in submission order."""
-        self._running_stores: collections.Counter[int] = collections.Counter()
-        """Store parts running, per generation."""
+        """Store jobs not yet handed to the offloader, in submission order."""
+        self._running_stores: dict[Transfer, int] = {}
+        """Stores running, with their generations."""
+        self._unsettled: set[Transfer] = set()
+        """Running stores that may still hold slots of chunks the manager evicted (a spill of one of
+        them to disk, the slot it goes to free only when it ends): no store starts before they end."""
         self._pumping = False
         self._pump_again = False
         self.generation = 0
@@ -632,25 +636,24 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         started = time.perf_counter()
         self._begin(job_id)
         self._enter_generation(dst_spec.generation)
-        if dst_spec.evicted:  # the manager's evictions, before anything new takes room
-            self.offloader.discard(self._blocks_of(dst_spec.generation, dst_spec.evicted))
         with self._lock:
             if dst_spec.generation == self.generation:  # an older one is fenced off: it stores nothing
                 chunks = self._chunks[dst_spec.generation]
                 chunks.difference_update(dst_spec.evicted)
                 chunks.update(dst_spec.keys)
-        # Later parts start from a worker thread: they follow the caller's stream through an event.
+        # A store that waits starts from a worker thread: it follows the caller's stream through an event.
         after = torch.cuda.Event() if self.cuda else None
         if after is not None:
             after.record()
-        job = _StoreJob(job_id, dst_spec.generation, list(self._gpu_blocks(dst_spec, src_spec).items()), after, started)
+        job = _StoreJob(job_id, dst_spec.generation, self._gpu_blocks(dst_spec, src_spec),
+                        self._blocks_of(dst_spec.generation, dst_spec.evicted), after, started)
         with self._lock:
             self._stores.append(job)
         self._pump()
         return True
 
     def _pump(self) -> None:
-        """Start the store parts that can start, in order. Called after every submit and every
+        """Start the stores that can start, in order. Called after every submit and every
         transfer's end; a call made while another runs (in any thread, or from a transfer that
         ended inside ``store()``) makes that one go round again instead."""
         with self._lock:
@@ -662,7 +665,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             while True:
                 with self._lock:
                     self._pump_again = False
-                self._start_parts()
+                self._start_stores()
                 with self._lock:
                     if not self._pump_again:
                         self._pumping = False
@@ -672,25 +675,29 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
                 self._pumping = False
             raise
 
-    def _start_parts(self) -> None:
+    def _start_stores(self) -> None:
+        """Start stores in order until one must wait. Only the pump calls it: no two run at once, so
+        no store starts between a job's discards and the look at what they left held."""
         while True:
             with self._lock:
                 if not self._stores:
                     return
                 job = self._stores[0]
-                if job.running is not None:
-                    return  # its next part spills this one: it starts when this one ends
                 fenced = job.generation < self.generation
-                if not fenced and any(g < job.generation and n for g, n in self._running_stores.items()):
-                    return  # stores from before a reset still hold slots the manager counts as free
                 if fenced:
                     self._stores.popleft()
+                elif any(g < job.generation for g in self._running_stores.values()):
+                    return  # stores from before a reset still hold slots the manager counts as free
+                elif self._unsettled:
+                    return  # slots of evicted chunks are not free yet: the manager counts them free
             if fenced:  # a reset came since it was prepared: vLLM ignores its report, nothing is stored
                 self._report(job.job_id, "store", True, job.started)
                 continue
-            end = job.next + self.store_limit
+            if job.evicted:  # the manager's evictions, before anything new takes room
+                self._discard_evicted(job)
+                continue
             try:
-                transfer = self.offloader.store(dict(job.blocks[job.next:end]), after=job.after)
+                transfer = self.offloader.store(job.blocks, after=job.after)
             except CapacityError as e:
                 if e.requested > e.capacity:  # can never fit: a bug of the sizes, not a wait (never expected here)
                     with self._lock:
@@ -709,24 +716,28 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
                 self._report(job.job_id, "store", False, job.started)
                 continue
             with self._lock:
-                job.next, job.running, job.waited = end, transfer, False
-                self._running_stores[job.generation] += 1
-                if job.next >= len(job.blocks):
-                    self._stores.popleft()
-            transfer._on_end(functools.partial(self._store_part_ended, job))  # on the thread that ends it
+                self._stores.popleft()
+                self._running_stores[transfer] = job.generation
+            transfer._on_end(functools.partial(self._store_ended, job))  # on the thread that ends it
 
-    def _store_part_ended(self, job: _StoreJob, t: Transfer) -> None:
+    def _discard_evicted(self, job: _StoreJob) -> None:
+        """Discard the chunks the manager evicted. One that a running store is spilling to disk keeps
+        its disk slot until that spill ends: then the stores running now must end before the next
+        starts, or the offloader would make room by evicting a chunk the manager still serves."""
+        with self._lock:
+            running = list(self._running_stores)
+        present = self.offloader.discard(job.evicted)
+        job.evicted = []
+        if present:
+            with self._lock:
+                self._unsettled.update(t for t in running if t in self._running_stores)
+
+    def _store_ended(self, job: _StoreJob, t: Transfer) -> None:
         ok = not t.cancelled() and t.exception() is None
         with self._lock:
-            self._running_stores[job.generation] -= 1
-            job.running = None
-            if ok:
-                job.nbytes += t.result().nbytes
-            last = job.next >= len(job.blocks)
-            if not ok and not last:
-                self._stores.remove(job)
-        if not ok or last:
-            self._report(job.job_id, "store", ok, job.started, job.nbytes if ok else None)
+            del self._running_stores[t]
+            self._unsettled.discard(t)
+        self._report(job.job_id, "store", ok, job.started, t.result().nbytes if ok else None)
         self._pump()
 
     # -- loads ---------------------------------------------------------------------------
@@ -821,23 +832,11 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
 def _start_offloader(
     tensors: dict[str, torch.Tensor], host_blocks: int, disk_blocks: int, disk_file: str | None, options: dict[str, Any],
 ) -> Offloader:
-    """A started offloader; with a disk tier, on the first of ``disk_file``, ``disk_file.1``, ...
-    that no live offloader holds (another engine given the same ``disk_path``)."""
+    """A started offloader; with a disk tier, its (nameless) file in ``disk_file``'s directory, made if missing."""
     if disk_file is None:
         return Offloader(tensors, host_blocks=host_blocks, **options).start()
     os.makedirs(os.path.dirname(os.path.abspath(disk_file)), exist_ok=True)
-    for n in range(_MAX_DISK_FILES):
-        path = disk_file if n == 0 else f"{disk_file}.{n}"
-        if _held_by_live_offloader(path):
-            continue
-        off = Offloader(tensors, host_blocks=host_blocks, disk_path=path, disk_blocks=disk_blocks, **options)
-        try:
-            return off.start()
-        except StartError:
-            if _held_by_live_offloader(path):  # another engine took it between our look and our start
-                continue
-            raise
-    raise StartError(f"{disk_file} and {_MAX_DISK_FILES - 1} numbered variants are all held by live offloaders")
+    return Offloader(tensors, host_blocks=host_blocks, disk_path=disk_file, disk_blocks=disk_blocks, **options).start()
 
 
 # -- the connector ----------------------------------------------------------------------------

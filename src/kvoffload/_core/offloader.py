@@ -35,8 +35,9 @@ class Lease:
     them (they are no longer found) without taking their bytes from the lease's load. Pass the lease
     to ``Offloader.load(blocks, lease=lease)``: the load takes over the holds of the keys it loads and
     the lease releases the others. A lease not loaded is released by :meth:`release`, by leaving its
-    ``with`` block, when it is garbage-collected, or ``hold_s`` seconds after the lookup (at the next
-    call on the offloader). Held hits count in ``stats().pinned``.
+    ``with`` block, when it is garbage-collected (at the next call on the offloader), or ``hold_s``
+    seconds after the lookup (then a worker thread gives them back, whether or not anything calls the
+    offloader). Held hits count in ``stats().pinned``.
     """
 
     __slots__ = ("count", "keys", "_index", "_pins", "__weakref__")
@@ -420,10 +421,19 @@ class Offloader:
         hold_s = check_seconds("hold_s", hold_s)
         keys = list(keys)
         lease = Lease(index)  # first: an interrupt in hold() leaves pins that the lease gives back
-        lease.count = index.hold(keys, lease._pins, hold_s)
+        try:
+            lease.count = index.hold(keys, lease._pins, hold_s)
+        finally:  # also after an interrupt: a hold it took expires at its deadline
+            self._follow_holds()
         lease.keys = tuple(keys[: lease.count])
         self._counters.looked_up(lease.count)
         return lease
+
+    def _follow_holds(self) -> None:
+        """After a hold: a worker gives it back at its deadline, whether or not anything calls us."""
+        rt = self._runtime
+        if rt is not None and rt.hold_expiry is not None:
+            rt.hold_expiry.follow()
 
     def __contains__(self, key: Hashable) -> bool:
         self._check_process()
@@ -443,6 +453,7 @@ class Offloader:
         self._check_process()
         rt = self._runtime
         tiers = self._tier_counts_closed if rt is None else rt.tier_counts()
+        gpu_staging_bytes = rt.footprint.gpu_staging if rt is not None and rt.storage is not None else 0
         k = self._counters
         with k.lock:
             return OffloaderStats(
@@ -481,6 +492,7 @@ class Offloader:
                 recovered=tiers.recovered,
                 dropped_at_open=tiers.dropped_at_open,
                 checksum_failures=tiers.checksum_failures,
+                gpu_staging_bytes=gpu_staging_bytes,
                 latency=k.latency(),
             )
 

@@ -8,10 +8,13 @@ outlive the process), and so that a forked child leaves its parent's alone.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,12 +29,15 @@ from .layout import BlockLayout
 from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
 from .diskfile import check_free_space
+from .index import BlockIndex
 from .options import Options, TierSlots, format_size
 from .stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
 from .tiers.tiered_storage import TieredStorage
 
-__all__ = ["BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "Runtime", "finalize_runtime", "process_generation"]
+__all__ = [
+    "BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "HoldExpiry", "Runtime", "finalize_runtime", "process_generation",
+]
 
 log = logging.getLogger("kvoffload")
 
@@ -157,6 +163,82 @@ def check_sizes(layout: BlockLayout, opts: Options, slots: TierSlots) -> None:
         check_free_space(opts.disk_path, need.disk_file, slots.disk_given)
 
 
+class HoldExpiry:
+    """Gives the index's expired holds (leases) back at their deadline, on a worker loop, even when
+    nothing calls the offloader: a store waiting for a held slot must not wait for a later call.
+
+    One wake-up at most is pending, for the index's earliest deadline (:meth:`follow` after every
+    hold); it runs on the loop, never in the caller's thread, and none is armed once :meth:`close`
+    was called.
+    """
+
+    def __init__(self, index: BlockIndex, worker: WorkerLoop) -> None:
+        self._index = index
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._due = math.inf
+        """The deadline the wake-up is armed (or being armed) for; inf: none."""
+        self._handle: asyncio.TimerHandle | None = None
+        """The pending wake-up (the loop's thread alone touches it)."""
+        self._closed = False
+        worker.add_stop_hook(self._cancel)
+
+    def follow(self) -> None:
+        """After a hold: make sure a wake-up is due by the index's earliest deadline. From any thread;
+        a look without a lock while one is."""
+        deadline = self._index._next_expiry
+        if deadline >= self._due:
+            return
+        try:
+            with self._lock:
+                if self._closed or deadline >= self._due:
+                    return
+                self._due = deadline
+            self._worker.mailbox.post(self._arm)
+        except RuntimeError:  # the loop has stopped: the offloader is closing
+            pass
+        except BaseException:  # an interrupt: the next hold arms it (the loop reads the deadline from the index)
+            with self._lock:
+                self._due = math.inf
+            raise
+
+    def _arm(self) -> None:
+        """On the loop: (re)arm the one wake-up for the index's earliest deadline now."""
+        deadline = self._index._next_expiry
+        with self._lock:
+            if self._closed:
+                return
+            self._due = deadline
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if deadline < math.inf:
+            self._handle = self._worker.loop.call_later(max(0.0, deadline - time.monotonic()), self._wake)
+
+    def _wake(self) -> None:
+        """On the loop, at the deadline: give back the expired holds, then arm for the next deadline."""
+        self._handle = None
+        try:
+            self._index._expire_holds()
+        except Exception:  # the next call on the index gives them back, the next hold arms again
+            log.exception("kvoffload: giving back expired leases failed")
+            with self._lock:
+                self._due = math.inf
+            return
+        self._arm()
+
+    def close(self) -> None:
+        """Arm nothing more (the loop's stop cancels the pending wake-up); idempotent."""
+        with self._lock:
+            self._closed = True
+
+    def _cancel(self) -> None:
+        self.close()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class Runtime:
     """Everything ``start()`` creates; closed by ``close()``, when the offloader is collected, or at exit.
 
@@ -173,6 +255,10 @@ class Runtime:
         self.storage: TieredStorage | None = None
         self.final_counts: TierCounts | None = None
         """The tiers' counts as they closed: set before :attr:`storage` is dropped."""
+        self.footprint = Footprint.of(layout, opts, slots)
+        """The memory this runtime takes (README, *Sizing*)."""
+        self.hold_expiry: HoldExpiry | None = None
+        """Gives expired leases back at their deadline (made with :attr:`storage`)."""
         self.workers: list[CopyWorker] = []
         self.copy_calls = CopyCalls()
         self.closed = False
@@ -199,8 +285,9 @@ class Runtime:
             self.storage = TieredStorage(
                 layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
-                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache,
+                io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
             )
+            self.hold_expiry = HoldExpiry(self.storage.index, self.workers[1].loop)
         except BaseException:
             try:
                 self._close_now(Deadline(5.0))
@@ -253,6 +340,8 @@ class Runtime:
 
     def _close_now(self, deadline: Deadline) -> None:
         timeout = deadline.timeout
+        if self.hold_expiry is not None:
+            self.hold_expiry.close()
         stuck = [worker.loop.name for worker in self.workers if not worker.loop.stop(deadline.left())]
         if stuck:  # never free memory a live thread may still copy into
             raise CloseError(
