@@ -135,7 +135,7 @@ def test_device_is_refused(tmp_path):
 def test_a_file_another_offloader_in_this_process_holds_is_refused(tmp_path, make_offloader):
     path = tmp_path / "kv"
     caches = random_caches(8, seed=12)
-    first = make_offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8)
+    first = make_offloader(caches, host_blocks=0, disk_path=path, disk_blocks=8, persist=True)
     before = identity(path)
     assert_refused(path, "in use by another kvoffload offloader")
     assert identity(path) == before

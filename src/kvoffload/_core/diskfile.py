@@ -168,8 +168,8 @@ class DiskFile:
             buf.close()
 
     def _reserve(self) -> None:
-        if self.existed and os.fstat(self.fd).st_blocks * 512 >= self.nbytes:
-            return
+        if os.fstat(self.fd).st_blocks * 512 >= self.nbytes:
+            return  # reserved already (a reopened file, or a resize to the same size)
         try:
             os.posix_fallocate(self.fd, 0, self.nbytes)
         except OSError as e:
@@ -465,6 +465,19 @@ class IoBatch:
     def done(self) -> bool:
         """True when every call has ended."""
         return all(f.done() for f in self._futures)
+
+    def result(self, timeout: float | None) -> None:
+        """From a thread that runs no event loop: wait up to ``timeout`` seconds for every call; raise
+        the first error, or ``TimeoutError`` (the calls not started are cancelled then)."""
+        done, pending = concurrent.futures.wait(self._futures, timeout)
+        if pending:
+            for f in pending:
+                f.cancel()
+            raise TimeoutError(f"{len(pending)} disk IO calls did not end within {timeout} s")
+        for f in self._futures:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
 
     async def wait(self) -> None:
         """Return when every call succeeded.

@@ -353,6 +353,9 @@ class BlockIndex:
         self._holds_taken = 0
         self._released_later: list[list[Pin]] = []
         """Pins of leases the garbage collector took (:meth:`release_later`), given back at the next call."""
+        self.on_disk_slot_freed: Callable[[int], object] | None = None
+        """Called under the lock with each disk slot that goes back to the pool (a persistent tier voids
+        its header): it must take no lock but its own and run no caller code."""
 
     @property
     def store_tier(self) -> int:
@@ -1146,6 +1149,64 @@ class BlockIndex:
         for slot in [s for s in self._unread_waiters if not host.readers[s]]:
             ready += self._unread_waiters.pop(slot)
 
+    # -- persistence ----------------------------------------------------------------
+
+    def restore(self, entries: Sequence[tuple[Hashable, int]]) -> None:
+        """Before any transfer: make each ``(key, disk slot)`` a READY disk entry, least recently used
+        first (a persistent disk tier's entries found again). Keys are native (bytes, str, int)."""
+        with self._lock:
+            disk = self._tiers[DISK]
+            assert not self._entries, "restore() comes before any store"
+            for key, slot in entries:
+                e = Entry(key, key, State.READY, DISK, slot)
+                disk.owner[slot] = e
+                self._entries[key] = e
+                disk.lru[key] = e
+            disk.free = [s for s in range(disk.size - 1, -1, -1) if disk.owner[s] is None]
+
+    def disk_copies(self) -> list[tuple[Hashable, int]]:
+        """``(key, disk slot)`` of every ready entry with a copy on disk (its current copy, or the clean
+        copy of a promoted one), least recently used first: what a checkpoint lists."""
+        with self._lock:
+            out = [(e.key, e.slot) for e in self._tiers[DISK].lru.values() if e.state is State.READY]
+            out += [(e.key, e.clean_slot) for e in self._clean.values() if e.state is State.READY and e.clean_slot >= 0]
+            return out
+
+    def drop_disk_slot(self, slot: int) -> None:
+        """The bytes in disk ``slot`` are not its entry's (a failed header or checksum check): the entry
+        is forgotten if that was its current copy, else it loses that clean copy. The slot goes back to
+        the pool when its last reader is gone."""
+        with self._lock:
+            e = self._tiers[DISK].owner[slot]
+            if e is None or e.state is State.GONE:
+                return
+            if e.tier == DISK and e.slot == slot and e.state is State.READY:
+                self._forget(e)
+                self._release(DISK, slot, e)
+            elif e.clean_slot == slot:
+                self._drop_clean_copy(e)
+
+    def copy_host_entries_to_disk(self) -> list[tuple[Entry, int, int]]:
+        """For a persistent tier's close, when no transfer runs: give every ready host entry without a
+        disk copy a free disk slot as its clean copy, most recently used first, as far as free disk
+        slots go (nothing evicted). Returns ``(entry, host slot, disk slot)`` for the writes to make;
+        an entry whose write fails must be passed to :meth:`drop_disk_slot`."""
+        with self._lock:
+            disk = self._tiers[DISK]
+            chosen: list[Entry] = []
+            for e in reversed(self._tiers[HOST].lru.values()):  # the most recently used first...
+                if len(chosen) == len(disk.free):
+                    break
+                if e.state is State.READY and e.clean_slot < 0:
+                    chosen.append(e)
+            out: list[tuple[Entry, int, int]] = []
+            for e in reversed(chosen):  # ...listed oldest first, as the disk's order goes
+                slot = disk.take(e)
+                e.clean_slot = slot
+                self._clean[e.index_key] = e
+                out.append((e, e.slot, slot))
+            return out
+
     # -- removal --------------------------------------------------------------------
 
     def discard(self, keys: Iterable[Hashable]) -> int:
@@ -1209,3 +1270,5 @@ class BlockIndex:
             tier.owner[slot] = None
         if tier.owner[slot] is None and not tier.readers[slot]:
             tier.free.append(slot)
+            if t == DISK and self.on_disk_slot_freed is not None:
+                self.on_disk_slot_freed(slot)

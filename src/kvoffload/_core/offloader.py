@@ -489,6 +489,7 @@ class Offloader:
                 host_pending=tiers.host_pending,
                 disk_pending=tiers.disk_pending,
                 promoted=tiers.promoted,
+                disk_clean=tiers.disk_clean,
                 recovered=tiers.recovered,
                 dropped_at_open=tiers.dropped_at_open,
                 checksum_failures=tiers.checksum_failures,

@@ -30,6 +30,7 @@ from .worker_loop import WorkerLoop
 from .block_copy import make_block_copier
 from .diskfile import check_free_space
 from .index import BlockIndex
+from .cache_identity import CacheIdentity
 from .options import Options, TierSlots, format_size
 from .stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
@@ -286,6 +287,7 @@ class Runtime:
                 layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
+                identity=CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None, verify=opts.verify,
             )
             self.hold_expiry = HoldExpiry(self.storage.index, self.workers[1].loop)
         except BaseException:

@@ -98,6 +98,10 @@ class OffloaderStats:
     """``pending``, by the tier the running stores write."""
     promoted: int = 0
     """Disk-resident keys a load left a copy of in host memory (``promote=True``)."""
+    disk_clean: int = 0
+    """Disk slots holding the disk copy of a key whose current copy is in host memory (promoted, or
+    written at a persistent tier's close): ``disk_free + disk_ready + disk_clean`` is every disk
+    slot not held by a running transfer."""
     recovered: int = 0
     """Entries found again in a persistent disk file when the offloader started (``persist=True``)."""
     dropped_at_open: int = 0
@@ -133,6 +137,7 @@ class TierCounts:
     host_pending: int = 0
     disk_pending: int = 0
     promoted: int = 0
+    disk_clean: int = 0
     recovered: int = 0
     dropped_at_open: int = 0
     checksum_failures: int = 0

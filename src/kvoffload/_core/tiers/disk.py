@@ -222,10 +222,10 @@ class DiskTier:
             self.persistent.checkpoint_every(interval, snapshot, self.pool), self.workers.store.loop.loop,
         )
 
-    def forget(self, slots: Sequence[int]) -> None:
-        """Persistent tier: the entries in disk ``slots`` were discarded; they must not come back."""
+    def forget(self, slot: int) -> None:
+        """Persistent tier: disk ``slot`` went back to the pool; its old entry must not come back."""
         if self.persistent is not None:
-            self.persistent.forget(slots, self.pool)
+            self.persistent.forget(slot)
 
     # -- cache <-> disk through the bounce buffer -------------------------------------
 

@@ -93,6 +93,10 @@ class PersistentSlots:
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         """Slots an IO thread is writing now (a tombstone never lands on them meanwhile)."""
+        self._tombstones: list[int] = []
+        """Slots whose headers are to be voided (:meth:`forget`)."""
+        self._tombstoning = False
+        self._pool: Executor | None = None
         self._changes = 0
         """Slot writes and tombstones so far (a checkpoint is due when this moved)."""
         self._checkpointed = -1
@@ -123,6 +127,7 @@ class PersistentSlots:
     def open(self, pool: Executor) -> Recovered:
         """Use the file: rebuild the entries of a reopened one whose identity matches, else start it
         empty (logging why). IO runs on ``pool``."""
+        self._pool = pool
         reason = "" if self.file.existed else "new file"
         found: FileHeader | None = None
         if self.file.existed:
@@ -341,32 +346,42 @@ class PersistentSlots:
             self.on_bad_slot(slot)
             raise OSError(errno.EBADMSG, f"disk slot {slot} of {self.file.path}: {problem}; the entry is dropped")
 
-    def forget(self, slots: Iterable[int], pool: Executor) -> None:
-        """Entries of ``slots`` were discarded: overwrite their headers with zeros (on ``pool``)."""
-        slots = [s for s in slots if s in self._written]
-        if not slots:
-            return
+    def forget(self, slot: int) -> None:
+        """The entry in ``slot`` is gone (discarded, evicted, dropped) and the slot free: its header is
+        overwritten with zeros soon, on an IO thread, unless the slot is written again first. Takes no
+        lock but this object's: the index calls it under its own."""
         with self._lock:
-            for s in slots:
-                self._written.pop(s, None)
+            if self._written.pop(slot, None) is None:
+                return
             self._changes += 1
-        zeros = mmap.mmap(-1, HEADER_BYTES)
+            self._tombstones.append(slot)
+            if self._tombstoning or self._pool is None:
+                return
+            self._tombstoning = True
+        try:
+            self._pool.submit(self._write_tombstones)
+        except RuntimeError:  # closing: the final checkpoint leaves the slot out all the same
+            with self._lock:
+                self._tombstoning = False
 
-        def tombstones() -> None:
-            try:
+    def _write_tombstones(self) -> None:
+        """(On an IO thread.) Void the headers of forgotten slots until none is left."""
+        zeros = mmap.mmap(-1, HEADER_BYTES)
+        try:
+            while True:
+                with self._lock:
+                    slots, self._tombstones = self._tombstones, []
+                    if not slots:
+                        self._tombstoning = False
+                        return
                 for s in slots:
                     with self._lock:  # a write of the slot waits for this one, or this one is skipped
-                        if s not in self._written and s not in self._writing:  # not reused meanwhile
+                        if s not in self._written and s not in self._writing:
                             self.file.write([zeros], self.offset(s))
-            except OSError:
-                log.warning("kvoffload: %s: could not mark discarded slots; they may come back after a restart", self.file.path, exc_info=True)
-            finally:
-                zeros.close()
-
-        try:
-            pool.submit(tombstones)
-        except RuntimeError:  # closing: the final checkpoint leaves them out all the same
-            zeros.close()
+        except OSError:
+            with self._lock:
+                self._tombstoning = False
+            log.warning("kvoffload: %s: could not mark freed slots; their old entries may come back after a restart", self.file.path, exc_info=True)
 
     # -- checkpoints ---------------------------------------------------------------
 

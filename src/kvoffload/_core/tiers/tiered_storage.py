@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
+from ..cache_identity import CacheIdentity, encode_key
+from ..deadline import Deadline
 from ..diskfile import IoBatch, IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
@@ -36,6 +39,8 @@ from ..stats import TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
 from .disk import BouncePool, DiskTier
 from .host import HostTier, chunked
+
+log = logging.getLogger("kvoffload")
 
 __all__ = ["TieredStorage", "StorePlan", "LoadPlan"]
 
@@ -176,7 +181,12 @@ class TieredStorage:
         io_threads: int,
         use_page_cache: bool,
         promote: bool = False,
+        identity: CacheIdentity | None = None,
+        verify: bool = False,
     ) -> None:
+        """``identity``: the disk tier is persistent, for caches of this identity (its entries found
+        again at start, checkpointed, kept at close; keys must be bytes, str or int); ``verify``: check
+        every disk slot's CRC32C when read."""
         self.layout = layout
         self.workers = workers
         self.metrics = metrics
@@ -188,6 +198,8 @@ class TieredStorage:
         self.disk: DiskTier | None = None
         self._disk_io_left: dict[str, int] = {}
         """The disk file's IO counts once the disk tier is closed."""
+        self._persistent_left = (0, 0, 0)
+        """(recovered, dropped at open, checksum failures) once the disk tier is closed."""
         try:
             if host_blocks:
                 self.host = HostTier(layout, host_blocks, workers)
@@ -195,8 +207,13 @@ class TieredStorage:
                 assert disk_path is not None
                 self.disk = DiskTier(
                     layout, disk_path, disk_blocks, workers, chunk_blocks=chunk_blocks, io_threads=io_threads,
-                    use_page_cache=use_page_cache, store_bounce=not host_blocks,
+                    use_page_cache=use_page_cache, store_bounce=not host_blocks, identity=identity, verify=verify,
                 )
+                if self.disk.persistent is not None:
+                    self.index.restore(self.disk.recovered.entries)
+                    self.index.on_disk_slot_freed = self.disk.forget
+                    self.disk.persistent.on_bad_slot = self.index.drop_disk_slot
+                    self.disk.start_checkpoints(self.index.disk_copies)
         except BaseException:
             self.close()
             raise
@@ -233,6 +250,9 @@ class TieredStorage:
         Raises CapacityError with nothing reserved. A store with nothing to copy (every key
         stored already) is done at once, and counted. An interrupt anywhere in here (a signal
         handler's ``KeyboardInterrupt``) leaks nothing: see :meth:`_interrupted`."""
+        if self.disk is not None and self.disk.persistent is not None:
+            for key in blocks:
+                encode_key(key)  # TypeError / ValueError for a key a persistent tier cannot keep, before anything
         hand_over = HandOver()
         plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks)
         transfer = Transfer("store", self.tensor_names)
@@ -276,7 +296,8 @@ class TieredStorage:
         to_disk = plan.reservation.to_disk
         if to_disk:
             assert self.disk is not None
-            await self.disk.store(pairs[:to_disk], plan.publish, self._staging(pairs[to_disk:]))
+            keys = [e.key for e in plan.reservation.entries[:to_disk]]
+            await self.disk.store(pairs[:to_disk], plan.publish, self._staging(pairs[to_disk:]), keys)
         if to_disk < len(pairs):
             assert self.host is not None
             await self.host.copy_in(pairs[to_disk:], plan.publish)
@@ -298,7 +319,9 @@ class TieredStorage:
         spills = plan.reservation.spills
         for group in chunked(spills, self.disk.chunk_blocks):
             try:
-                await self.disk.write_rows(host, [s.host_slot for s in group], [s.disk_slot for s in group]).wait()
+                await self.disk.write_rows(
+                    host, [s.host_slot for s in group], [s.disk_slot for s in group], [s.victim.key for s in group],
+                ).wait()
             except BaseException:
                 for s in group:
                     self.index.spill_failed(s)
@@ -434,13 +457,40 @@ class TieredStorage:
         c = self.index.counts()
         disk = self.disk
         io = disk.file.io_counts() if disk is not None else self._disk_io_left
+        recovered, dropped, failures = self._persistent_counts(disk)
         return TierCounts(
             host_free=c["host_free"], disk_free=c["disk_free"], host_ready=c["host_ready"], disk_ready=c["disk_ready"],
             pending=c["pending"], pinned=c["pinned"], spilling=c["spilling"], evicted_host=c["evicted_host"],
             evicted_disk=c["evicted_disk"], spilled=c["spilled"], disk_bytes_written=io.get("bytes_written", 0),
             disk_bytes_read=io.get("bytes_read", 0), disk_io_errors=io.get("errors", 0),
-            host_pending=c["host_pending"], disk_pending=c["disk_pending"], promoted=c["promoted"],
+            host_pending=c["host_pending"], disk_pending=c["disk_pending"], promoted=c["promoted"], disk_clean=c["disk_clean"],
+            recovered=recovered, dropped_at_open=dropped, checksum_failures=failures,
         )
+
+    def _persistent_counts(self, disk: DiskTier | None) -> tuple[int, int, int]:
+        """(recovered, dropped at open, checksum failures) of a persistent disk tier."""
+        if disk is None:
+            return self._persistent_left
+        p = disk.persistent
+        return (len(disk.recovered.entries), disk.recovered.dropped, p.checksum_failures) if p is not None else (0, 0, 0)
+
+    def _copy_host_entries_to_disk(self, deadline: Deadline) -> None:
+        """A persistent tier's close: write entries only in host memory to free disk slots (nothing
+        evicted), within ``deadline``, so that they are found again after a restart."""
+        disk, host = self.disk, self.host
+        if disk is None or host is None or disk.persistent is None:
+            return
+        moves = self.index.copy_host_entries_to_disk()
+        if not moves:
+            return
+        try:
+            disk.write_rows(host.array, [h for _, h, _ in moves], [d for _, _, d in moves], [e.key for e, _, _ in moves]).result(
+                deadline.left()
+            )
+        except (OSError, TimeoutError):
+            log.warning("kvoffload: writing host entries to the persistent disk tier at close failed; they are not kept", exc_info=True)
+            for _, _, d in moves:
+                self.index.drop_disk_slot(d)
 
     def disk_io(self) -> IoCalls | None:
         """The disk tier's system calls (the test seam), or None without a disk tier."""
@@ -455,8 +505,11 @@ class TieredStorage:
         ok = True
         disk = self.disk
         if disk is not None:
-            ok = disk.close(timeout)
+            deadline = Deadline(timeout)
+            self._copy_host_entries_to_disk(deadline)
+            ok = disk.close(deadline.left())
             self._disk_io_left = disk.file.io_counts()
+            self._persistent_left = self._persistent_counts(disk)
             self.disk = None
         if self.host is not None:
             self.host.close()
