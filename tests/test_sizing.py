@@ -4,6 +4,7 @@ at once, before anything is allocated, with a message naming the option, the siz
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import time
@@ -215,6 +216,7 @@ def test_stats_report_the_gpu_staging_bytes_the_sizing_section_gives(copy_engine
     caches = random_caches(64, device="cuda", seed=4)
     off = kvoffload.Offloader(caches, host_blocks=8, chunk_bytes=chunk, copy_engine=copy_engine)
     assert off.stats().gpu_staging_bytes == 0  # not started: nothing allocated
+    gc.collect()  # tensors of earlier tests freed now, not while this one measures
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with off:
