@@ -636,6 +636,93 @@ def persistence_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.devic
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, rounds: int = 3) -> None:
+    """The remote tier on a redis-server on loopback (started here if one is on PATH, else skipped):
+    a store's background write-through until every block is on the server, and ``alookup`` + ``load``
+    of those blocks into another offloader, beside redis-py's own pipelined SET and GET of the same
+    bytes (one value per block, windows of 4 MiB) in the same run."""
+    server = shutil.which("redis-server")
+    if server is None:
+        print("  remote: skipped (no redis-server on PATH)", flush=True)
+        return
+    import socket
+    import subprocess
+
+    import redis
+
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"remote tier: {nbytes / 2**30:.2f} GiB per transfer to a redis-server on loopback, ceiling = redis-py pipelined SET/GET")
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-redis-")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        raw = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                raw.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.01)
+        url = f"redis://127.0.0.1:{port}/0"
+        figures: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get")}
+        caches = lay.cache(n, dev)
+        slab = bytearray(os.urandom(lay.block_bytes))
+        values = [bytes(slab) for _ in range(n)]
+        window = max(1, (4 << 20) // lay.block_bytes)
+        with Offloader(caches, host_blocks=n, remote=url) as writer, Offloader(lay.cache(n, dev), host_blocks=n, remote=url) as reader:
+            for r in range(rounds):
+                keys = [f"bench-{r}-{i}" for i in range(n)]
+                t0 = time.perf_counter()
+                writer.store({k: i for i, k in enumerate(keys)}).result()
+                while writer.stats().remote_writes_pending:
+                    time.sleep(0.001)
+                figures["store"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+                async def fetch() -> None:
+                    assert await reader.alookup(keys) == n
+                    await reader.load({k: i for i, k in enumerate(keys)})
+
+                t0 = time.perf_counter()
+                asyncio.run(fetch())
+                figures["load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                reader.discard(keys)
+                writer.discard(keys)
+                raw.flushall()
+                t0 = time.perf_counter()
+                for first in range(0, n, window):
+                    pipe = raw.pipeline(transaction=False)
+                    for i in range(first, min(n, first + window)):
+                        pipe.set(f"raw-{i}", values[i])
+                    pipe.execute()
+                figures["set"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                for first in range(0, n, window):
+                    pipe = raw.pipeline(transaction=False)
+                    for i in range(first, min(n, first + window)):
+                        pipe.get(f"raw-{i}")
+                    pipe.execute()
+                figures["get"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                raw.flushall()
+        raw.close()
+        best = {k: max(v) for k, v in figures.items()}
+        rep.row("remote store (background write-through)", "GB/s", best["store"], best["set"], None,
+                note="from store() until every block is on the server")
+        rep.row("remote load (alookup + load)", "GB/s", best["load"], best["get"], None)
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 async def _in_flight_rate(op: Callable[[int], Awaitable[Any]], count: int, in_flight: int = 64) -> float:
     """``op(i)`` for ``count`` values of i, ``in_flight`` at a time from this loop; returns ops per second."""
 
@@ -1013,7 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,persist,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,persist,remote,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -1026,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
     gpu_only = {"layouts", "layers", "expedited", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "persist", "small", "engine", "latency")
+    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "persist", "remote", "small", "engine", "latency")
             if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -1054,6 +1141,8 @@ def main(argv: list[str] | None = None) -> int:
         disk_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, base, args.disk_dir, args.io_threads)
     if "persist" in todo:
         persistence_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, args.disk_dir, args.io_threads)
+    if "remote" in todo:
+        remote_scenarios(rep, lay, min(gib, 1.0), dev)
     if "small" in todo:
         small_transfers(rep, dev, base, args.small)
     if "engine" in todo:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from ._core.offloader import Offloader
+from ._core.offloader import Offloader, OffloaderStats
 
 __all__ = ["OffloaderCollector"]
 
@@ -51,6 +51,8 @@ class OffloaderCollector:
         yield gauge("kvoffload_pinned_keys", "Stored keys in use by running loads.", {(): s.pinned})
         yield gauge("kvoffload_spilling_keys", "Host entries being written to disk to make room.", {(): s.spilling})
         yield gauge("kvoffload_transfers_in_flight", "Transfers started and not yet finished.", {(): s.in_flight})
+        if self._off.options.remote is not None:
+            yield from _remote_metrics(s, name)
 
         transfers = CounterMetricFamily("kvoffload_transfers", "Transfers ended, by kind and outcome.",
                                         labels=["offloader", "kind", "outcome"])
@@ -89,3 +91,23 @@ class OffloaderCollector:
         yield counter("kvoffload_disk_written", "Bytes written to the disk file.", s.disk_bytes_written, "bytes")
         yield counter("kvoffload_disk_read", "Bytes read from the disk file.", s.disk_bytes_read, "bytes")
         yield counter("kvoffload_disk_io_errors", "Disk IO calls that failed or moved fewer bytes than asked.", s.disk_io_errors)
+
+
+def _remote_metrics(s: OffloaderStats, name: str) -> Iterator[Metric]:
+    """The remote tier's metrics (offloaders made with ``remote=``)."""
+    pending = GaugeMetricFamily("kvoffload_remote_writes_pending", "Blocks being written to the remote store in the background.",
+                                labels=["offloader"])
+    pending.add_metric([name], s.remote_writes_pending)
+    yield pending
+    remote = CounterMetricFamily("kvoffload_remote_keys", "Keys of the remote tier, by event: found by alookup, loaded, "
+                                 "missed by a load, rejected by the checks, written, failed to write.", labels=["offloader", "event"])
+    for event, value in (
+        ("lookup_hit", s.remote_lookup_hits), ("hit", s.remote_hits), ("miss", s.remote_misses), ("bad_value", s.remote_bad_values),
+        ("written", s.remote_writes), ("write_failed", s.remote_write_failures),
+    ):
+        remote.add_metric([name, event], value)
+    yield remote
+    unavailable = CounterMetricFamily("kvoffload_remote_unavailable", "Remote calls that found the remote store unreachable.",
+                                      labels=["offloader"])
+    unavailable.add_metric([name], s.remote_unavailable)
+    yield unavailable

@@ -20,6 +20,8 @@ from .layout import BlockLayout, check_block_mapping
 from .options import Options, TierSlots, format_size
 from .runtime import Runtime, finalize_runtime, process_generation
 from .stats import OffloaderStats, TierCounts, TransferCounters
+from .cache_identity import encode_key
+from .tiers.remote_tier import RemoteCounts
 from .tiers.tiered_storage import TieredStorage
 from .transfer import Transfer, TransferResult
 
@@ -101,7 +103,11 @@ class Offloader:
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
     ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
     disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` or ``disk_bytes`` add
-    the disk tier: see the README's section on it. Every memory taken is listed in the
+    the disk tier: see the README's section on it. ``remote`` (a Redis URL or a ``redis.asyncio``
+    client) adds a tier shared by many serving nodes, for caches of one identity (the tensors'
+    geometry, ``fingerprint``, ``remote_shard``): :meth:`alookup` counts its hits, ``load()`` reads
+    them, and completed stores are written to it in the background (``remote_write="through"``, or
+    ``"none"``); see the README's *Sharing a cache across nodes*. Every memory taken is listed in the
     README's *Sizing* section; ``start()`` refuses sizes that cannot fit before allocating.
     """
 
@@ -128,6 +134,9 @@ class Offloader:
         persist: bool = False,
         fingerprint: str | bytes | None = None,
         verify: bool = False,
+        remote: str | Any = None,
+        remote_shard: str = "",
+        remote_write: Literal["through", "none"] = "through",
     ) -> None:
         self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
@@ -139,6 +148,7 @@ class Offloader:
             chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
             gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
+            remote=remote, remote_shard=remote_shard, remote_write=remote_write,
         )
         self._slots: TierSlots = self._options.tier_slots(self._layout.slot_bytes)
         if self._options.host_blocks is None and self._options.host_bytes is None:
@@ -157,6 +167,7 @@ class Offloader:
         self._counters = TransferCounters()
         self._tier_counts_closed = TierCounts()
         """The tiers' counters as they closed: ``stats()`` never counts less after close."""
+        self._remote_counts_closed = RemoteCounts()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pid = os.getpid()
         self._generation = process_generation()
@@ -243,6 +254,7 @@ class Offloader:
                 if self._runtime is rt:
                     if rt.final_counts is not None:
                         self._tier_counts_closed = rt.final_counts
+                    self._remote_counts_closed = rt.remote_counts_closed
                     self._runtime = None
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -429,6 +441,28 @@ class Offloader:
         self._counters.looked_up(lease.count)
         return lease
 
+    async def alookup(self, keys: Iterable[Hashable]) -> int:
+        """How many leading ``keys`` are stored here or on the remote store (``remote=``): the local
+        leading hits (as :meth:`lookup`), then one round trip to the remote for the keys after them
+        (a key found missing there is not asked again for a second). ``load()`` may then name the
+        remote hits: they are read into host slots, copied to the cache and kept as host entries.
+        A remote that cannot be reached counts as holding nothing (``stats().remote_unavailable``).
+        Without a remote tier it is :meth:`lookup`. ``TypeError`` / ``ValueError`` for a key that
+        is not ``bytes``, ``str`` or ``int`` (or too long) when there is a remote tier; ``TypeError``
+        for a ``str`` or ``bytes`` given as the keys, as :meth:`lookup`."""
+        _check_not_one_key("alookup", keys)
+        keys = list(keys)
+        rt = self._running_runtime()
+        remote = rt.remote
+        encoded = [encode_key(k) for k in keys] if remote is not None else []  # before anything: the call's errors
+        index = self._running_storage().index
+        local = index.lookup(keys)
+        hits = local
+        if remote is not None and local < len(keys):
+            hits += await remote.lookup(keys[local:], encoded[local:])
+        self._counters.looked_up(hits)
+        return hits
+
     def _follow_holds(self) -> None:
         """After a hold: a worker gives it back at its deadline, whether or not anything calls us."""
         rt = self._runtime
@@ -454,6 +488,7 @@ class Offloader:
         rt = self._runtime
         tiers = self._tier_counts_closed if rt is None else rt.tier_counts()
         gpu_staging_bytes = rt.footprint.gpu_staging if rt is not None and rt.storage is not None else 0
+        remote = self._remote_counts_closed if rt is None else rt.remote.counts() if rt.remote is not None else rt.remote_counts_closed
         k = self._counters
         with k.lock:
             return OffloaderStats(
@@ -494,6 +529,14 @@ class Offloader:
                 dropped_at_open=tiers.dropped_at_open,
                 checksum_failures=tiers.checksum_failures,
                 gpu_staging_bytes=gpu_staging_bytes,
+                remote_lookup_hits=remote.lookup_hits,
+                remote_hits=remote.hits,
+                remote_misses=remote.misses,
+                remote_bad_values=remote.bad_values,
+                remote_unavailable=remote.unavailable,
+                remote_writes=remote.writes,
+                remote_write_failures=remote.write_failures,
+                remote_writes_pending=remote.writes_pending,
                 latency=k.latency(),
             )
 

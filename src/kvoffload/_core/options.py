@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["DEFAULT_HOST_BYTES", "Options", "TierSlots", "format_size", "parse_size"]
 
@@ -130,6 +130,18 @@ class Options:
     verify: bool = False
     """Check the CRC32C of every slot read from disk (computed on the IO threads); a slot that fails
     fails its load with ``TransferError`` and is dropped. Needs ``persist``."""
+    remote: Any = None
+    """The remote tier shared by many serving nodes: a Redis URL (``redis://host:port/0``,
+    ``rediss://`` for TLS, ``redis+cluster://host:port`` for a cluster) or a ``redis.asyncio.Redis`` /
+    ``RedisCluster`` client configured by the caller (TLS, AUTH, timeouts are then the caller's;
+    the offloader uses it on its ``kvoffload-remote`` thread only, and never closes it). Keys must be
+    ``bytes``, ``str`` or ``int``. See the README's *Sharing a cache across nodes*."""
+    remote_shard: str = ""
+    """Which shard of a sharded cache this offloader holds (the tensor-parallel rank): part of the
+    cache identity, so ranks never read each other's blocks."""
+    remote_write: str = "through"
+    """``"through"``: every completed store is sent to the remote in the background; ``"none"``: the
+    remote is only read from."""
 
     def __post_init__(self) -> None:
         for tier in ("host", "disk"):
@@ -170,9 +182,16 @@ class Options:
             raise ValueError(f"completion must be 'thread' or 'poll', got {self.completion!r}")
         if self.fingerprint is not None and not isinstance(self.fingerprint, (str, bytes)):
             raise TypeError(f"fingerprint must be a str, bytes or None, got {type(self.fingerprint).__name__}")
-        for flag in ("fingerprint", "verify"):
-            if getattr(self, flag) not in (None, False) and not self.persist:
-                raise ValueError(f"{flag} needs persist=True (it belongs to the persistent disk tier)")
+        if self.fingerprint is not None and not self.persist and self.remote is None:
+            raise ValueError("fingerprint needs persist=True or remote (it belongs to the cache identity of a persistent or remote tier)")
+        if self.verify and not self.persist:
+            raise ValueError("verify needs persist=True (it belongs to the persistent disk tier)")
+        if self.remote is not None:
+            _check_remote(self.remote)
+        if not isinstance(self.remote_shard, str):
+            raise TypeError(f"remote_shard must be a str, got {type(self.remote_shard).__name__}")
+        if self.remote_write not in ("through", "none"):
+            raise ValueError(f"remote_write must be 'through' or 'none', got {self.remote_write!r}")
         if self.persist and self.disk_path is None:
             raise ValueError("persist=True needs a disk tier: give disk_path and disk_bytes (or disk_blocks)")
         for name in ("use_batch_copy", "use_page_cache", "expedited_loads", "promote", "persist", "verify"):
@@ -203,6 +222,18 @@ class Options:
             disk = self.disk_blocks or 0
             disk_given = f"disk_blocks={disk}" if disk else "no disk tier"
         return TierSlots(host, disk, host_given, disk_given)
+
+
+def _check_remote(remote: object) -> None:
+    if isinstance(remote, str):
+        if not remote:
+            raise ValueError("remote is a Redis URL such as 'redis://host:6379/0', got ''")
+        return
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+
+    if not isinstance(remote, (Redis, RedisCluster)):
+        raise TypeError(f"remote must be a Redis URL or a redis.asyncio Redis/RedisCluster client, got {type(remote).__name__}")
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> None:

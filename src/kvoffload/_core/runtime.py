@@ -34,6 +34,7 @@ from .cache_identity import CacheIdentity
 from .options import Options, TierSlots, format_size
 from .stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
+from .tiers.remote_tier import RemoteCounts, RemoteTier
 from .tiers.tiered_storage import TieredStorage
 
 __all__ = [
@@ -258,6 +259,10 @@ class Runtime:
         """The tiers' counts as they closed: set before :attr:`storage` is dropped."""
         self.footprint = Footprint.of(layout, opts, slots)
         """The memory this runtime takes (README, *Sizing*)."""
+        self.remote: RemoteTier | None = None
+        """The remote tier, if any (made with :attr:`storage`; closed after the copy workers stop)."""
+        self.remote_counts_closed = RemoteCounts()
+        """The remote tier's counters as it closed."""
         self.hold_expiry: HoldExpiry | None = None
         """Gives expired leases back at their deadline (made with :attr:`storage`)."""
         self.workers: list[CopyWorker] = []
@@ -290,6 +295,10 @@ class Runtime:
                 identity=CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None, verify=opts.verify,
             )
             self.hold_expiry = HoldExpiry(self.storage.index, self.workers[1].loop)
+            if opts.remote is not None:
+                identity = CacheIdentity.of(caches, layout, opts.fingerprint, opts.remote_shard)
+                self.remote = RemoteTier(opts.remote, identity, self.storage.index, opts.remote_write)
+                self.storage.attach_remote(self.remote)
         except BaseException:
             try:
                 self._close_now(Deadline(5.0))
@@ -357,6 +366,12 @@ class Runtime:
             except Exception:
                 log.exception("kvoffload: %s: releasing the copier failed; going on with the close", worker.loop.name)
         self.workers = []
+        remote = self.remote
+        if remote is not None:  # its writes read host slots: done or dropped before the memory goes
+            if not remote.close(deadline):
+                raise CloseError(f"the remote tier's thread did not stop within {timeout} s; memory kept: call close() again")
+            self.remote_counts_closed = remote.counts()
+            self.remote = None
         storage = self.storage
         if storage is not None:
             # The workers have stopped: no IO runs any more. Kept before the storage goes: stats() never sees less.

@@ -111,6 +111,22 @@ class OffloaderStats:
     """Disk slots whose CRC32C did not match when loaded (``verify=True``): each failed its load."""
     gpu_staging_bytes: int = 0
     """GPU memory kvoffload holds for staging copies (GPU caches with ``copy_engine="kernel"``)."""
+    remote_lookup_hits: int = 0
+    """Keys ``alookup()`` found on the remote store (after the local hits)."""
+    remote_hits: int = 0
+    """Keys loads read from the remote store (checked, then copied to the cache and kept in host slots)."""
+    remote_misses: int = 0
+    """Keys loads asked the remote for and did not get (gone since ``alookup()``, or rejected): each failed its load."""
+    remote_bad_values: int = 0
+    """Of those, values rejected by the checks (another key's, another cache's, truncated, corrupted)."""
+    remote_unavailable: int = 0
+    """Remote calls that found it unreachable (lookups then count local hits only, loads and writes fail)."""
+    remote_writes: int = 0
+    """Blocks the remote accepted from background writes (``remote_write="through"``)."""
+    remote_write_failures: int = 0
+    """Blocks whose background write failed, was refused or was dropped at close."""
+    remote_writes_pending: int = 0
+    """Blocks being written to the remote now (their host copies pinned meanwhile; not in ``in_flight``)."""
     latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict, repr=False)
     """Per ``(kind, outcome, phase)``: kind ``store`` or ``load``; outcome ``done``, ``failed`` or
     ``cancelled``; phase ``queue`` (from the call until a worker took the transfer: GPU transfers

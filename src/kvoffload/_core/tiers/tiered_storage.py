@@ -37,6 +37,8 @@ from ..layout import BlockLayout
 from ..transfer import Transfer, TransferResult
 from ..stats import TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
+from ..errors import CapacityError, MissingKeysError
+from .remote_tier import RemoteTier
 from .disk import BouncePool, DiskTier
 from .host import HostTier, chunked
 
@@ -53,7 +55,7 @@ class StorePlan:
 
     __slots__ = (
         "index", "metrics", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "taken", "published", "finished",
-        "counted",
+        "counted", "on_stored",
     )
     reports_landings = True
 
@@ -71,6 +73,8 @@ class StorePlan:
         self.finished = False
         self.counted = False
         """True once ``metrics`` counts the store in flight (:meth:`TransferCounters.started`)."""
+        self.on_stored: Callable[[tuple[Hashable, ...]], None] | None = None
+        """Told the keys of a store that completed (the remote tier's write-through)."""
 
     def publish(self, n: int) -> None:
         """The store's next ``n`` entries have landed: make them visible."""
@@ -88,6 +92,8 @@ class StorePlan:
     def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         """Count the store's end (keys it published before failing or being cancelled included), if it
         was counted started: a store refused at the call (``CapacityError``) or cut short before, never ran."""
+        if result is not None and self.on_stored is not None:
+            self.on_stored(result.keys)
         if not self.counted:
             return
         partial = 0 if result is not None else self.published * self.block_bytes
@@ -156,6 +162,30 @@ class LoadPlan:
             self.index.unpin(self.pins)
 
 
+class RemoteLoadPlan(LoadPlan):
+    """A load some of whose keys come from the remote tier: the local keys' pins (as any load) and
+    the remote keys' host slots, reserved like a store's (:attr:`fetched`), published once their
+    blocks are in the cache. Its cleanup gives back both."""
+
+    __slots__ = ("fetched", "keys", "remote_keys")
+
+    def __init__(
+        self, index: BlockIndex, metrics: TransferCounters, blocks: dict[Hashable, int], remote_keys: list[Hashable], block_bytes: int,
+    ) -> None:
+        super().__init__(index, metrics, [], block_bytes)
+        self.fetched = StorePlan(index, metrics, block_bytes, 1)
+        """The remote keys' reservation (never counted as a store)."""
+        self.keys = tuple(blocks)
+        self.remote_keys = remote_keys
+
+    def result(self) -> TransferResult:
+        return TransferResult("load", self.keys, (), len(self.keys) * self.block_bytes, time.perf_counter() - self.started)
+
+    def cleanup(self) -> None:
+        self.fetched.cleanup()
+        super().cleanup()
+
+
 class TieredStorage:
     """The host and disk tiers with their common index; starts transfers on their workers.
 
@@ -200,6 +230,8 @@ class TieredStorage:
         """The disk file's IO counts once the disk tier is closed."""
         self._persistent_left = (0, 0, 0)
         """(recovered, dropped at open, checksum failures) once the disk tier is closed."""
+        self.remote: RemoteTier | None = None
+        """The remote tier, set by :meth:`attach_remote`."""
         try:
             if host_blocks:
                 self.host = HostTier(layout, host_blocks, workers)
@@ -217,6 +249,11 @@ class TieredStorage:
         except BaseException:
             self.close()
             raise
+
+    def attach_remote(self, remote: RemoteTier) -> None:
+        """Add the remote tier: loads may name keys it reported, completed stores are written through."""
+        remote.host_rows = self.host.array if self.host is not None else None
+        self.remote = remote
 
     def _start(
         self, worker: CopyWorker, transfer: Transfer, hand_over: HandOver, plan: StorePlan | LoadPlan,
@@ -250,11 +287,14 @@ class TieredStorage:
         Raises CapacityError with nothing reserved. A store with nothing to copy (every key
         stored already) is done at once, and counted. An interrupt anywhere in here (a signal
         handler's ``KeyboardInterrupt``) leaks nothing: see :meth:`_interrupted`."""
-        if self.disk is not None and self.disk.persistent is not None:
+        remote = self.remote
+        if remote is not None or (self.disk is not None and self.disk.persistent is not None):
             for key in blocks:
-                encode_key(key)  # TypeError / ValueError for a key a persistent tier cannot keep, before anything
+                encode_key(key)  # TypeError / ValueError for a key a persistent or remote tier cannot keep, before anything
         hand_over = HandOver()
         plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks)
+        if remote is not None and remote.write == "through":
+            plan.on_stored = remote.write_through
         transfer = Transfer("store", self.tensor_names)
         try:
             self.index.reserve(blocks, plan.reservation)
@@ -351,6 +391,15 @@ class TieredStorage:
             if not blocks:
                 self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), transfer)
                 return transfer
+            remote_keys = self._remote_keys(blocks, taking)
+            if remote_keys:
+                plan = remote_plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes)
+                self._plan_remote_load(remote_plan, blocks, taking)
+                self.metrics.started(plan)
+                self._start(
+                    self.workers.load, transfer, hand_over, plan, None, after, functools.partial(self._run_remote_load, remote_plan),
+                )
+                return transfer
             self.index.pin(list(blocks), plan.pins, taking)
             self.metrics.started(plan)
             self.start_load(transfer, hand_over, plan, after, per_tensor, expedited)
@@ -358,6 +407,51 @@ class TieredStorage:
             self._interrupted(self.workers.load, hand_over, transfer, plan)
             raise
         return transfer
+
+    def _remote_keys(self, blocks: dict[Hashable, int], taking: list[Pin | None] | None) -> list[Hashable]:
+        """The keys of ``blocks`` not stored here that the remote tier reported (:meth:`RemoteTier.lookup`)."""
+        remote = self.remote
+        if remote is None:
+            return []
+        held = taking if taking is not None else [None] * len(blocks)
+        return [k for k, t in zip(blocks, held) if (t is None or not t.held) and k not in self.index and remote.reported(k)]
+
+    def _plan_remote_load(self, plan: RemoteLoadPlan, blocks: dict[Hashable, int], taking: list[Pin | None] | None) -> None:
+        """Pin the local keys of ``blocks`` (first: no reservation below evicts them), then reserve
+        host slots for the remote ones, filling ``plan``. ``MissingKeysError`` / ``CapacityError``
+        with what it holds in ``plan`` (the caller's :meth:`_interrupted` gives it back)."""
+        remote = set(plan.remote_keys)
+        local = [k for k in blocks if k not in remote]
+        plan.block_ids = [blocks[k] for k in local]
+        local_taking = [t for k, t in zip(blocks, taking) if k not in remote] if taking is not None else None
+        self.index.pin(local, plan.pins, local_taking)
+        reservation = self.index.reserve(plan.remote_keys, plan.fetched.reservation)
+        if reservation.skipped:  # stored here meanwhile, by a store still running: not loadable now
+            raise MissingKeysError(reservation.skipped)
+        if reservation.to_disk:
+            raise CapacityError(
+                f"{reservation.to_disk} block(s) from the remote store found no host slot (they are read into host slots)",
+                requested=len(plan.remote_keys), capacity=self.index.counts()["host_free"],
+            )
+        plan.fetched.block_ids = [blocks[e.key] for e in reservation.entries]
+
+    async def _run_remote_load(self, plan: RemoteLoadPlan, after: Any) -> TransferResult:
+        """Read the remote keys into their reserved host slots (after the spills that make room), copy
+        them to the cache, publish them as host entries; then load the local keys as any load."""
+        plan.taken = time.perf_counter()
+        if after is not None:
+            self.workers.load.copier.wait_for(after)
+        fetched = plan.fetched
+        if fetched.reservation.spills:
+            await self._spill(fetched)
+        assert self.remote is not None and self.host is not None
+        entries = fetched.reservation.entries
+        await self.remote.fetch([e.key for e in entries], [e.slot for e in entries])
+        await self.host.copy_out([(e.slot, b) for e, b in zip(entries, fetched.block_ids)])
+        fetched.publish(len(entries))
+        if plan.pins:
+            await self._run_load(plan, None)
+        return plan.result()
 
     def start_load(
         self, transfer: Transfer, hand_over: HandOver, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False,

@@ -1,0 +1,409 @@
+"""The remote tier (``Offloader(remote=...)``) on real Redis servers: blocks shared between
+offloaders of different processes, byte-exact; ``alookup`` counts; remote hits loaded become local
+hits; keys gone from the server, servers dying mid-load and coming back; background writes waited
+for by ``close()``; a three-node cluster; identities that never share blocks; keys refused at the
+call. tests/redis_servers.py starts the servers (installing redis-server if it can; the tests skip
+only when it can neither be found nor installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import kvoffload
+from conftest import block_bytes, random_caches
+from kvoffload import TransferError
+from redis_servers import TcpProxy, redis_binaries, redis_cluster, redis_server
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCKS = 16
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def binaries():
+    found = redis_binaries()
+    if found is None:
+        pytest.skip("redis-server is not installed and could not be installed")
+    return found
+
+
+@pytest.fixture
+def server(binaries):
+    """A server of the test's own (nothing another test stored is there)."""
+    with redis_server(binaries) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cluster(binaries):
+    with redis_cluster(binaries) as nodes:
+        yield nodes
+
+
+def store_and_close(url: str, keys: list, *, seed: int = SEED, **kw: object) -> kvoffload.OffloaderStats:
+    """An offloader storing block i of ``random_caches(BLOCKS, seed)`` under ``keys[i]``, closed (its
+    background writes waited for): its final stats."""
+    off = kvoffload.Offloader(random_caches(BLOCKS, seed=seed), host_blocks=BLOCKS, remote=url, **kw).start()
+    try:
+        off.store({k: i for i, k in enumerate(keys)}).result(10)
+    finally:
+        off.close()
+    return off.stats()
+
+
+def reader(url: str, **kw: object) -> kvoffload.Offloader:
+    """An offloader whose cache holds other bytes (seed 99) than the writers', writing nothing to the
+    remote (``remote_write="none"``: no background write holds its entries while a test counts them)."""
+    return kvoffload.Offloader(random_caches(BLOCKS, seed=99), host_blocks=BLOCKS, remote=url, **{"remote_write": "none", **kw}).start()
+
+
+def same_block(off: kvoffload.Offloader, block: int, source: dict, source_block: int) -> bool:
+    return block_bytes(off._caches, block) == block_bytes(source, source_block)
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    import kvoffload
+    from conftest import random_caches
+    url, count = sys.argv[1], int(sys.argv[2])
+    off = kvoffload.Offloader(random_caches(16, seed=7), host_blocks=16, remote=url, fingerprint="model-a").start()
+    off.store({f"p{i}": i for i in range(count)}).result(10)
+    off.close()
+    s = off.stats()
+    print(s.remote_writes, s.remote_write_failures, s.remote_writes_pending, flush=True)
+""")
+
+
+@pytest.mark.asyncio
+async def test_two_processes_share_a_prefix_byte_exact(server):
+    tests_dir = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, server.url, "8"], capture_output=True, text=True, env=env, timeout=50, check=True,
+    ).stdout
+    assert out.split() == ["8", "0", "0"]  # close() waited for every background write
+    written = random_caches(BLOCKS, seed=SEED)
+    keys = [f"p{i}" for i in range(8)]
+    off = reader(server.url, fingerprint="model-a")
+    try:
+        assert off.lookup(keys) == 0
+        assert await off.alookup(keys + ["absent"]) == 8
+        await off.load({k: 8 + i for i, k in enumerate(keys)})
+        assert all(same_block(off, 8 + i, written, i) for i in range(8))
+        assert off.lookup(keys) == 8  # kept as host entries: local hits now
+        s = off.stats()
+        assert (s.remote_hits, s.remote_lookup_hits, s.remote_misses) == (8, 8, 0)
+        await off.load({k: i for i, k in enumerate(keys)})  # from host memory this time
+        assert off.stats().remote_hits == 8
+        assert all(same_block(off, i, written, i) for i in range(8))
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_alookup_counts_local_hits_then_remote_hits(server):
+    store_and_close(server.url, ["a", "b", "c", "d"])
+    off = reader(server.url)
+    try:
+        off.store({"a": 0, "b": 1}).result(10)  # local: a, b
+        assert await off.alookup(["a", "b", "c", "d", "e", "c"]) == 4
+        assert await off.alookup(["a", "x", "c"]) == 1  # the first miss ends the prefix
+        assert await off.alookup(["c", "e", "d"]) == 1
+        assert await off.alookup([]) == 0
+        assert off.stats().remote_lookup_hits == 2 + 0 + 1
+    finally:
+        off.close()
+    plain = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS).start()
+    try:
+        plain.store({"a": 0}).result(10)
+        assert await plain.alookup(["a", "b"]) == 1  # no remote tier: lookup()
+    finally:
+        plain.close()
+
+
+@pytest.mark.asyncio
+async def test_key_gone_from_the_server_fails_the_load_and_corrupts_nothing(server):
+    store_and_close(server.url, ["g0", "g1", "g2"])
+    off = reader(server.url)
+    try:
+        off.store({"local": 5}).result(10)
+        before = {b: block_bytes(off._caches, b) for b in range(BLOCKS)}
+        assert await off.alookup(["g0", "g1", "g2"]) == 3
+        assert server.command("FLUSHALL") == b"OK"
+        with pytest.raises(TransferError):
+            await off.load({"g0": 0, "g1": 1, "local": 2})
+        assert {b: block_bytes(off._caches, b) for b in range(BLOCKS)} == before  # no block written
+        assert off.lookup(["g0"]) == 0 and off.lookup(["g1"]) == 0  # nothing published
+        s = off.stats()
+        assert s.remote_misses >= 1 and s.host_free == BLOCKS - 1 and s.pinned == 0 and s.pending == 0
+        with pytest.raises(kvoffload.MissingKeysError):  # no longer reported: refused at the call
+            off.load({"g0": 0})
+        await off.load({"local": 3})
+        assert block_bytes(off._caches, 3) == before[5]
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_server_dying_mid_load_fails_it_local_tiers_keep_working_and_it_works_again(server):
+    keys = [f"s{i}" for i in range(BLOCKS // 2)]
+    store_and_close(server.url, keys)
+    proxy = await TcpProxy(server.port).start()
+    off = reader(proxy.url)
+    try:
+        off.store({"local": 15}).result(10)
+        assert await off.alookup(keys) == len(keys)
+        proxy.hold_replies_after(0)
+        load = off.load({k: i for i, k in enumerate(keys)})
+        await proxy.holding.wait()  # the load is reading replies
+        server.stop()
+        proxy.cut()
+        with pytest.raises(TransferError):
+            await load
+        assert off.lookup(keys) == 0
+        assert off.stats().pinned == 0 and off.stats().pending == 0
+        assert await off.alookup(["local"] + keys) == 1  # local hits only while the server is down
+        assert off.stats().remote_unavailable >= 1
+        await off.load({"local": 0})  # the local tiers keep working
+        off.store({"local2": 14}).result(10)
+        server.start()
+        store_and_close(server.url, keys)  # a restarted server holds nothing: store again
+        deadline = time.monotonic() + 20
+        while await off.alookup(keys) != len(keys):  # the store's backoff passes
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await off.load({k: i for i, k in enumerate(keys)})
+        written = random_caches(BLOCKS, seed=SEED)
+        assert all(same_block(off, i, written, i) for i in range(len(keys)))
+    finally:
+        off.close()
+        await proxy.close()
+
+
+def test_background_writes_are_counted_and_waited_for_by_close(server):
+    stats = store_and_close(server.url, [f"w{i}" for i in range(BLOCKS)])
+    assert (stats.remote_writes, stats.remote_write_failures, stats.remote_writes_pending) == (BLOCKS, 0, 0)
+    assert stats.in_flight == 0 and stats.pinned == 0
+    assert server.command("DBSIZE") == BLOCKS
+    none = store_and_close(server.url, ["n0", "n1"], remote_write="none")
+    assert none.remote_writes == 0 and server.command("DBSIZE") == BLOCKS
+
+
+def test_background_writes_to_a_dead_server_fail_quietly(binaries):
+    with redis_server(binaries) as s:
+        url = s.url
+    off = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=url).start()
+    try:
+        off.store({"x": 0, "y": 1}).result(10)  # the caller's store is not failed by the remote
+        assert off.lookup(["x", "y"]) == 2
+    finally:
+        off.close()
+    s2 = off.stats()
+    assert s2.remote_write_failures == 2 and s2.remote_writes == 0 and s2.remote_writes_pending == 0
+
+
+@pytest.mark.asyncio
+async def test_cluster_round_trip(cluster):
+    url = f"redis+cluster://127.0.0.1:{cluster[0].port}"
+    keys = [f"c{i}-{os.urandom(4).hex()}" for i in range(12)]
+    assert store_and_close(url, keys).remote_writes == 12
+    off = reader(url)
+    try:
+        assert await off.alookup(keys) == 12
+        await off.load({k: i for i, k in enumerate(keys)})
+        written = random_caches(BLOCKS, seed=SEED)
+        assert all(same_block(off, i, written, i) for i in range(12))
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_identities_never_share_blocks(server):
+    keys = ["i0", "i1"]
+    store_and_close(server.url, keys, fingerprint="model-a")
+    for kw, expected in (
+        ({"fingerprint": "model-b"}, 0), ({}, 0), ({"fingerprint": "model-a", "remote_shard": "1"}, 0),
+        ({"fingerprint": "model-a"}, 2),
+    ):
+        off = reader(server.url, **kw)
+        try:
+            assert await off.alookup(keys) == expected, kw
+            with pytest.raises(kvoffload.MissingKeysError) if expected == 0 else contextlib.nullcontext():
+                await off.load({"i0": 0, "i1": 1})
+        finally:
+            off.close()
+
+
+@pytest.mark.asyncio
+async def test_bad_keys_are_refused_at_the_call(server):
+    off = reader(server.url)
+    try:
+        with pytest.raises(TypeError):
+            off.store({("tuple", 1): 0})
+        with pytest.raises(TypeError):
+            await off.alookup(["fine", 1.5])
+        with pytest.raises(TypeError):
+            await off.alookup("one-key")
+        assert off.stats().stores == 0 and off.stats().host_free == BLOCKS
+    finally:
+        off.close()
+    assert server.command("DBSIZE") == 0
+
+
+def test_fingerprint_needs_persist_or_remote():
+    with pytest.raises(ValueError, match="persist=True or remote"):
+        kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, fingerprint="m")
+    with pytest.raises(TypeError):
+        kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=42)
+    with pytest.raises(ValueError):
+        kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote="redis://h/0", remote_write="later")
+    kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, fingerprint="m", remote="redis://127.0.0.1:1/0")
+
+
+@pytest.mark.asyncio
+async def test_a_remote_load_is_cancellable_and_gives_its_slots_back(server):
+    keys = [f"x{i}" for i in range(4)]
+    store_and_close(server.url, keys)
+    proxy = await TcpProxy(server.port).start()
+    off = reader(proxy.url)
+    try:
+        before = {b: block_bytes(off._caches, b) for b in range(BLOCKS)}
+        assert await off.alookup(keys) == 4
+        proxy.hold_replies_after(0)
+        load = off.load({k: i for i, k in enumerate(keys)})
+        await proxy.holding.wait()
+        assert load.cancel()
+        with pytest.raises(kvoffload.TransferCancelled):
+            await load
+        proxy.release()
+        assert {b: block_bytes(off._caches, b) for b in range(BLOCKS)} == before
+        s = off.stats()
+        assert (s.host_free, s.pending, s.pinned, s.cancelled) == (BLOCKS, 0, 0, 1)
+        deadline = time.monotonic() + 20
+        while await off.alookup(keys) != 4:  # and it loads when let run (once a connection the cancel cut is replaced)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await off.load({k: i for i, k in enumerate(keys)})
+        written = random_caches(BLOCKS, seed=SEED)
+        assert all(same_block(off, i, written, i) for i in range(4))
+    finally:
+        off.close()
+        await proxy.close()
+
+
+@pytest.mark.asyncio
+async def test_close_drops_writes_it_cannot_wait_for_and_their_pins(server):
+    proxy = await TcpProxy(server.port).start()
+    off = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=proxy.url).start()
+    try:
+        proxy.hold_replies_after(0)  # the server's replies never come
+        await off.store({"h0": 0, "h1": 1})
+        assert off.stats().remote_writes_pending == 2 and off.stats().pinned == 2 and off.stats().in_flight == 0
+        started = time.monotonic()
+        await off.aclose(timeout=0.3)
+        assert time.monotonic() - started < 5
+    finally:
+        await proxy.close()
+    s = off.stats()
+    assert (s.remote_writes_pending, s.remote_writes, s.remote_write_failures) == (0, 0, 2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload")]
+
+
+@pytest.mark.asyncio
+async def test_a_bad_value_on_the_server_fails_the_load_never_a_wrong_block(server):
+    from kvoffload._core.cache_identity import encode_key
+
+    store_and_close(server.url, ["v0", "v1"])
+    off = reader(server.url)
+    try:
+        before = {b: block_bytes(off._caches, b) for b in range(BLOCKS)}
+        assert await off.alookup(["v0", "v1"]) == 2
+        names = [off._runtime.remote.store.name_of(encode_key(k)) for k in ("v0", "v1")]
+        value = server.command("GET", names[1])
+        server.command("SET", names[0], value)  # another key's value under v0's name
+        with pytest.raises(TransferError):
+            await off.load({"v0": 0, "v1": 1})
+        assert {b: block_bytes(off._caches, b) for b in range(BLOCKS)} == before
+        s = off.stats()
+        assert (s.remote_bad_values, s.remote_misses, s.host_free, s.pending) == (1, 1, BLOCKS, 0)
+        assert off.lookup(["v0"]) == 0 and off.lookup(["v1"]) == 0
+    finally:
+        off.close()
+
+
+def test_prometheus_exposes_the_remote_tier(server):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvoffload.prometheus import OffloaderCollector
+
+    off = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=server.url).start()
+    try:
+        off.store({"m0": 0, "m1": 1}).result(10)
+    finally:
+        off.close()
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(OffloaderCollector(off, name="n"))
+    get = registry.get_sample_value
+    assert get("kvoffload_remote_keys_total", {"offloader": "n", "event": "written"}) == 2
+    assert get("kvoffload_remote_writes_pending", {"offloader": "n"}) == 0
+    assert get("kvoffload_remote_unavailable_total", {"offloader": "n"}) == 0
+
+
+def test_alookup_under_trio(server):
+    trio = pytest.importorskip("trio")
+    store_and_close(server.url, ["t0", "t1"])
+    off = reader(server.url)
+    try:
+        assert trio.run(off.alookup, ["t0", "t1", "t2"]) == 2
+    finally:
+        off.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.asyncio
+async def test_remote_hits_load_into_a_gpu_cache(server):
+    keys = [f"gpu{i}" for i in range(8)]
+    store_and_close(server.url, keys)  # written from a CPU cache of the same geometry
+    off = kvoffload.Offloader(random_caches(BLOCKS, device="cuda", seed=99), host_blocks=BLOCKS, remote=server.url).start()
+    try:
+        assert await off.alookup(keys) == 8
+        await off.load({k: 8 + i for i, k in enumerate(keys)})
+        torch.cuda.synchronize()
+        written = random_caches(BLOCKS, seed=SEED)
+        assert all(same_block(off, 8 + i, written, i) for i in range(8))
+        await off.load({k: i for i, k in enumerate(keys)}, per_tensor=True)  # now host hits
+        assert all(same_block(off, i, written, i) for i in range(8))
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_remote_hits_take_room_from_unused_entries_only(server):
+    keys = [f"r{i}" for i in range(4)]
+    store_and_close(server.url, keys)
+    off = reader(server.url)
+    try:
+        local = [f"l{i}" for i in range(BLOCKS)]
+        off.store({k: i for i, k in enumerate(local)}).result(10)  # every host slot taken
+        assert await off.alookup(keys) == 4
+        with off.lookup(local, hold=True) as lease:  # held: not to be evicted
+            assert lease.count == BLOCKS
+            with pytest.raises(kvoffload.CapacityError):
+                off.load({k: i for i, k in enumerate(keys)})
+            assert off.lookup(local) == BLOCKS and off.stats().evicted == 0
+        await off.load({k: i for i, k in enumerate(keys)})  # the least recently used local entries make room
+        assert off.stats().evicted == 4 and off.lookup(keys) == 4
+        written = random_caches(BLOCKS, seed=SEED)
+        assert all(same_block(off, i, written, i) for i in range(4))
+    finally:
+        off.close()
