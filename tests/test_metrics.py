@@ -177,4 +177,5 @@ def _documented_metric_names() -> set[str]:
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("### Prometheus", 1)[1].split("\n## ", 1)[0]
-    return {row.split("`")[1] for row in section.splitlines() if row.startswith("| `kvoffload_")}
+    rows = [row for row in section.splitlines() if row.startswith("| `kvoffload_")]
+    return {row.split("`")[1] for row in rows if "(with `remote=`)" not in row}  # an offloader without a remote tier

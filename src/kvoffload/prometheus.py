@@ -91,6 +91,16 @@ class OffloaderCollector:
         yield counter("kvoffload_disk_written", "Bytes written to the disk file.", s.disk_bytes_written, "bytes")
         yield counter("kvoffload_disk_read", "Bytes read from the disk file.", s.disk_bytes_read, "bytes")
         yield counter("kvoffload_disk_io_errors", "Disk IO calls that failed or moved fewer bytes than asked.", s.disk_io_errors)
+        yield counter("kvoffload_promoted_keys", "Disk-resident keys a load left a copy of in host memory.", s.promoted)
+        yield gauge("kvoffload_clean_disk_copies", "Disk slots holding the disk copy of a key whose current copy is in host memory.",
+                    {(): s.disk_clean})
+        yield gauge("kvoffload_recovered_keys", "Entries a persistent disk tier found again when the offloader started.",
+                    {(): s.recovered})
+        yield gauge("kvoffload_dropped_at_open_slots", "Slots of a persistent disk file whose header or checksum did not verify "
+                    "when the offloader started.", {(): s.dropped_at_open})
+        yield counter("kvoffload_checksum_failures", "Disk slots whose CRC32C did not match when loaded (verify=True).",
+                      s.checksum_failures)
+        yield gauge("kvoffload_gpu_staging_bytes", "GPU memory held for staging copies.", {(): s.gpu_staging_bytes})
 
 
 def _remote_metrics(s: OffloaderStats, name: str) -> Iterator[Metric]:
