@@ -103,7 +103,10 @@ class Offloader:
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
     ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
     disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` or ``disk_bytes`` add
-    the disk tier: see the README's section on it. ``remote`` (a Redis URL or a ``redis.asyncio``
+    the disk tier: see the README's section on it; with both tiers, loads of disk-resident keys
+    leave a copy in free host slots (``promote``, default True). ``persist=True`` keeps the disk
+    tier across restarts for caches of one identity (the tensors' geometry and ``fingerprint``;
+    ``verify=True`` checks every slot's CRC32C when read): see the README's *Persistence*. ``remote`` (a Redis URL or a ``redis.asyncio``
     client) adds a tier shared by many serving nodes, for caches of one identity (the tensors'
     geometry, ``fingerprint``, ``remote_shard``): :meth:`alookup` counts its hits, ``load()`` reads
     them, and completed stores are written to it in the background (``remote_write="through"``, or
