@@ -286,6 +286,20 @@ def test_discarded_keys_never_come_back_after_a_restart(tmp_path, monkeypatch):
         off.close()
 
 
+def test_keys_discarded_just_before_close_never_come_back(tmp_path):
+    path = tmp_path / "kv"
+    store_and_close(path, 8)
+    off, caches = reopen(path)
+    off._running_storage().disk.persistent._pool = None  # as when close cancels the queued job that voids their headers
+    assert off.discard(["k1", "k6"]) == 2
+    off.close()
+    off, caches = reopen(path)
+    try:
+        assert stored_keys(off, [f"k{i}" for i in range(8)]) == [f"k{i}" for i in range(8) if i not in (1, 6)]
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("key", [("tuple", 1), 1.5, None, b"x" * 2000])
 def test_keys_a_persistent_tier_cannot_encode_are_refused_at_the_call(tmp_path, key):
     caches = random_caches(BLOCKS)

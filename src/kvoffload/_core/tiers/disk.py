@@ -337,6 +337,7 @@ class DiskTier:
             return False
         if self.persistent is not None and self._snapshot is not None and self.file.fd >= 0:
             try:
+                self.persistent.write_tombstones_now()
                 self.persistent.write_checkpoint(self._snapshot(), clean=True)
             except OSError:
                 log.warning("kvoffload: %s: the final checkpoint failed; the next start checks every slot", self.file.path, exc_info=True)

@@ -296,12 +296,12 @@ class PersistentSlots:
         try:
             self.file.write(buffers, self.offset(slots[group[0]]))
         except BaseException:
-            self._void(mine)  # a failed write may have left a header over a torn payload
-            raise
-        finally:
             with self._lock:
                 self._writing.difference_update(mine)
-        with self._lock:
+            self._void(mine)  # a failed write may have left a header over a torn payload
+            raise
+        with self._lock:  # one step: a tombstone never finds these slots in neither set
+            self._writing.difference_update(mine)
             self._written.update(written)
             self._changes += 1
 
@@ -364,8 +364,13 @@ class PersistentSlots:
             with self._lock:
                 self._tombstoning = False
 
+    def write_tombstones_now(self) -> None:
+        """At close, once no IO thread runs: void the headers still waiting for it (their job may
+        have been cancelled with the IO pool)."""
+        self._write_tombstones()
+
     def _write_tombstones(self) -> None:
-        """(On an IO thread.) Void the headers of forgotten slots until none is left."""
+        """(On an IO thread, or at close.) Void the headers of forgotten slots until none is left."""
         zeros = mmap.mmap(-1, HEADER_BYTES)
         try:
             while True:
