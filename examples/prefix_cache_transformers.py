@@ -97,8 +97,12 @@ def cache_from_layers(config: LlamaConfig, layers: Sequence[tuple[torch.Tensor, 
 
 
 def cache_prefix(config: LlamaConfig, cache: DynamicCache, tokens: int) -> DynamicCache:
-    """A new cache holding the first ``tokens`` tokens of ``cache`` (which is left as it is)."""
-    return cache_from_layers(config, [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers])
+    """A new cache holding the first ``tokens`` tokens of ``cache`` (which is left as it is), in fresh
+    contiguous memory as :meth:`PagedKV.read` makes it: the attention kernels a GPU picks can depend on
+    the layout, and two caches compared token for token must not differ in it."""
+    return cache_from_layers(
+        config, [(layer.keys[:, :, :tokens].contiguous(), layer.values[:, :, :tokens].contiguous()) for layer in cache.layers],
+    )
 
 
 class PagedKV:

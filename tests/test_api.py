@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -148,3 +151,27 @@ def test_unclosed_offloader_is_cleaned_up_by_gc(caches):
     gc.collect()
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("kvoffload")]
     assert not left
+
+
+def test_kvoffload_works_without_the_optional_redis_py():
+    """redis-py is an extra (``kvoffload[redis]``): without it everything but ``remote=`` works,
+    and ``remote=`` says what to install."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["redis"] = None  # as if redis-py were not installed: importing it raises ImportError
+        import torch, kvoffload
+        caches = {"k": torch.arange(64, dtype=torch.uint8).view(8, 8)}
+        with kvoffload.Offloader(caches, host_blocks=4) as off:
+            off.store({b"a": 1}).result(10)
+            off.load({b"a": 2}).result(10)
+        assert torch.equal(caches["k"][1], caches["k"][2])
+        try:
+            kvoffload.Offloader(caches, remote="redis://127.0.0.1:1/0")
+        except ImportError as e:
+            assert "kvoffload[redis]" in str(e), e
+        else:
+            raise AssertionError("remote= without redis-py was accepted")
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

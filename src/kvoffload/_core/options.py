@@ -225,12 +225,17 @@ class Options:
 
 
 def _check_remote(remote: object) -> None:
+    try:
+        from redis.asyncio import Redis
+        from redis.asyncio.cluster import RedisCluster
+    except ImportError:
+        if isinstance(remote, str):
+            raise ImportError("remote= needs redis-py: pip install 'kvoffload[redis]'") from None
+        raise TypeError(f"remote must be a Redis URL or a redis.asyncio Redis/RedisCluster client, got {type(remote).__name__}") from None
     if isinstance(remote, str):
         if not remote:
             raise ValueError("remote is a Redis URL such as 'redis://host:6379/0', got ''")
         return
-    from redis.asyncio import Redis
-    from redis.asyncio.cluster import RedisCluster
 
     if not isinstance(remote, (Redis, RedisCluster)):
         raise TypeError(f"remote must be a Redis URL or a redis.asyncio Redis/RedisCluster client, got {type(remote).__name__}")

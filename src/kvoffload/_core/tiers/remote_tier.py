@@ -36,7 +36,7 @@ from ..cache_identity import CacheIdentity, encode_key
 from ..deadline import Deadline
 from ..errors import ClosedError, MissingKeysError, TransferError
 from ..index import HOST, BlockIndex, Pin
-from ..remote import RedisStore, RemoteStore, RemoteUnavailableError
+from ..remote import RemoteStore, RemoteUnavailableError
 from ..worker_loop import WorkerLoop
 
 __all__ = ["NEGATIVE_TTL_S", "REPORTED_TTL_S", "RemoteCounts", "RemoteTier"]
@@ -91,6 +91,8 @@ class RemoteTier:
         self._outcomes: set[concurrent.futures.Future[Any]] = set()
         """The outcomes of the coroutines started on the loop and not ended yet."""
         self._stopped = False
+        from ..remote.redis_store import RedisStore  # redis-py is optional: imported only for a remote tier
+
         self.store: RemoteStore = RedisStore(target, identity.digest)  # type: ignore[arg-type]  # Options checked the type
         self.worker = WorkerLoop("kvoffload-remote")
 
