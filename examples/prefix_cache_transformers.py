@@ -187,6 +187,14 @@ class PrefixCache:
 
 
 @torch.inference_mode()
+def deterministic_attention() -> None:
+    """Attention whose results do not vary from run to run, for comparing two generations bit for bit:
+    PyTorch's cuDNN attention backend is not run-to-run deterministic on every GPU (on an H200, two
+    caches with equal bytes continued the same prompt with logits 0.04 apart); flash attention is."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def greedy(model: LlamaForCausalLM, cache: DynamicCache, token_ids: Sequence[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Run ``token_ids`` (the prompt's tokens not in ``cache``), then generate ``steps`` tokens greedily.
 
@@ -323,6 +331,7 @@ def print_ttft(rows: list[dict[str, Any]]) -> None:
 async def demo(model: LlamaForCausalLM, prefix_tokens: int, steps: int, disk_dir: str) -> None:
     """Requests sharing a prefix, answered from a host tier, then from a host tier too small that spills to disk."""
     device, vocab, config = model.device, model.config.vocab_size, model.config
+    deterministic_attention()
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).tolist()
     first = prefix + torch.randint(0, vocab, (37,), generator=g).tolist()
