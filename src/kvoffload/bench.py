@@ -109,18 +109,23 @@ def _lat(xs: list[float]) -> dict[str, float]:
     return {"p50_us": _pct(xs, 0.5) * 1e6, "p99_us": _pct(xs, 0.99) * 1e6, "mean_us": statistics.fmean(xs) * 1e6}
 
 
-def load_baseline(path: str | None) -> Any:
-    """Import ``benchmarks/seed_baseline.py`` (from ``path``, the checkout, or the cwd); None if absent."""
-    candidates = [Path(path)] if path else [Path(__file__).resolve().parents[2] / "benchmarks" / "seed_baseline.py",
-                                            Path.cwd() / "benchmarks" / "seed_baseline.py"]
+def _checkout_module(relative: str, path: str | None = None) -> Any:
+    """Import the checkout's file ``relative`` (from ``path``, the checkout, or the cwd); None if absent."""
+    candidates = [Path(path)] if path else [Path(__file__).resolve().parents[2] / relative, Path.cwd() / relative]
     for p in candidates:
         if p.is_file():
-            spec = importlib.util.spec_from_file_location("seed_baseline", p)
+            spec = importlib.util.spec_from_file_location(p.stem, p)
             assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
+            sys.modules[p.stem] = mod  # dataclasses of the module look themselves up there
             spec.loader.exec_module(mod)
             return mod
     return None
+
+
+def load_baseline(path: str | None) -> Any:
+    """Import ``benchmarks/seed_baseline.py`` (from ``path``, the checkout, or the cwd); None if absent."""
+    return _checkout_module("benchmarks/seed_baseline.py", path)
 
 
 class Report:
@@ -723,6 +728,33 @@ def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, ro
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def ttft_scenarios(rep: Report, dev: torch.device, lengths: list[int], disk_dir: str | None) -> None:
+    """Time to first token of a transformers Llama (the checkout's examples/prefix_cache_transformers.py):
+    recompute, reload from host memory, reload from disk, a 90% hit; Llama-3-8B's shape in bfloat16
+    on a GPU, a tiny model on CPU."""
+    cuda = dev.type == "cuda"
+    rep.begin(f"time to first token: {'Llama-3-8B shape, bf16' if cuda else 'tiny Llama, float32'}, prompts of {lengths} tokens")
+    if importlib.util.find_spec("transformers") is None:
+        print("    skipped: needs transformers", flush=True)
+        return
+    pc = _checkout_module("examples/prefix_cache_transformers.py")
+    if pc is None:
+        print("    skipped: examples/prefix_cache_transformers.py not found (run from a checkout)", flush=True)
+        return
+    model = pc.build_model("8b" if cuda else "tiny", device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
+    try:
+        rows = pc.measure_ttft(model, lengths, repeat=2, disk_dir=disk_dir)
+    finally:
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    recompute = {r["tokens"]: r["ttft_s"] for r in rows if r["case"] == "recompute"}
+    for r in rows:
+        first = r["case"] == "recompute"
+        rep.row(f"TTFT {r['tokens']} tokens, {r['case']}", "ms", r["ttft_s"] * 1e3, None if first else recompute[r["tokens"]] * 1e3, None,
+                note="ceiling = recompute" if not first else f"{r['recomputed_tokens']} tokens computed")
+
+
 async def _in_flight_rate(op: Callable[[int], Awaitable[Any]], count: int, in_flight: int = 64) -> float:
     """``op(i)`` for ``count`` values of i, ``in_flight`` at a time from this loop; returns ops per second."""
 
@@ -1097,10 +1129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default="32x2x16x8x128:bf16", help="LAYERSxBLOCK_SHAPE:dtype (default: 64 KiB per layer per block)")
     p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
     p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--ttft-tokens", default=None, help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
     p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
     p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
     p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,persist,remote,small,engine,latency")
+    p.add_argument("--skip", default="", help="comma-separated: host,busy,layouts,layers,expedited,cancel,compute,disk,persist,ttft,remote,small,engine,latency")
     p.add_argument("--baseline", default=None, help="path of seed_baseline.py (default: benchmarks/ of the checkout)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
@@ -1113,7 +1146,8 @@ def main(argv: list[str] | None = None) -> int:
     base = load_baseline(args.baseline)
     skip = set(filter(None, args.skip.split(",")))
     gpu_only = {"layouts", "layers", "expedited", "compute"} if not cuda else set()
-    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "persist", "remote", "small", "engine", "latency")
+    todo = [s for s in ("host", "busy", "layouts", "layers", "expedited", "cancel", "compute", "disk", "persist", "remote", "ttft", "small",
+                        "engine", "latency")
             if s not in skip | gpu_only]
     rep = Report(len(todo))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -1143,6 +1177,9 @@ def main(argv: list[str] | None = None) -> int:
         persistence_scenarios(rep, lay, args.disk_gib or (2.0 if cuda else 0.25), dev, args.disk_dir, args.io_threads)
     if "remote" in todo:
         remote_scenarios(rep, lay, min(gib, 1.0), dev)
+    if "ttft" in todo:
+        lengths = [int(x) for x in args.ttft_tokens.split(",")] if args.ttft_tokens else ([4096, 16384, 32768] if cuda else [256, 1024])
+        ttft_scenarios(rep, dev, lengths, args.disk_dir)
     if "small" in todo:
         small_transfers(rep, dev, base, args.small)
     if "engine" in todo:
