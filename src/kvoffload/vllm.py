@@ -67,7 +67,6 @@ import contextlib
 import difflib
 import functools
 import os
-import re
 import threading
 import time
 from collections.abc import Collection, Hashable, Mapping

@@ -23,7 +23,7 @@ from .stats import OffloaderStats, TierCounts, TransferCounters
 from .cache_identity import encode_key
 from .tiers.remote_tier import RemoteCounts
 from .tiers.tiered_storage import TieredStorage
-from .transfer import Transfer, TransferResult
+from .transfer import Transfer
 
 __all__ = ["Offloader", "OffloaderStats", "Lease"]
 
