@@ -21,7 +21,6 @@ either the old checkpoint or the new one. All integers are little-endian.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import crc32c
@@ -172,7 +171,3 @@ class Checkpoint:
             raise ValueError("the checkpoint is damaged (length)")
         return cls(bytes(namespace), next_seq, bool(clean), tuple(records))
 
-
-def records_of(entries: Iterable[tuple[int, int, int, bytes]]) -> tuple[CheckpointRecord, ...]:
-    """Records from ``(slot, seq, payload crc, key)`` tuples."""
-    return tuple(CheckpointRecord(*e) for e in entries)
