@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import kvoffload_threads, random_caches
+from conftest import block_bytes, kvoffload_threads, random_caches
 from kvoffload._core import hostmem
 from kvoffload._testing import disk_file_stat
 from kvoffload._core.cuda import driver
@@ -189,6 +189,39 @@ def test_the_footprint_is_what_start_allocates(caches, tmp_path, monkeypatch, ho
         assert need.disk_bounce == (2 if host_blocks else 4) * 3 * SLOT and need.host_slab == host_blocks * SLOT
         assert need.disk_file == disk_file_stat(off).st_size == 8 * SLOT and need.gpu_staging == 0
         assert off.stats().gpu_staging_bytes == 0  # CPU caches: no staging
+
+
+@pytest.mark.parametrize("host_blocks", [0, 4])
+def test_bounce_bytes_sizes_the_disk_bounce_buffers_and_transfers_still_round_trip(tmp_path, monkeypatch, host_blocks):
+    from kvoffload._core.runtime import Footprint
+
+    caches = random_caches(64, seed=9)
+    allocated = []
+    real = hostmem.HostBuffer.__init__
+
+    def init(self, nbytes, *, pin):
+        allocated.append(nbytes)
+        real(self, nbytes, pin=pin)
+
+    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
+    want = {k: block_bytes(caches, k) for k in range(32)}
+    with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=64,
+                             chunk_bytes=16 * SLOT, bounce_bytes=SLOT + 100) as off:  # one slot per half
+        need = Footprint.of(off.layout, off.options, off.options.tier_slots(SLOT))
+        assert need.disk_bounce == (2 if host_blocks else 4) * SLOT
+        assert sum(allocated) == need.host_slab + need.disk_bounce
+        off.store({k: k for k in range(32)}).result(10)
+        for t in caches.values():
+            t.zero_()
+        off.load({k: k for k in range(32)}).result(10)
+        assert all(block_bytes(caches, k) == want[k] for k in range(32))
+        assert off.stats().disk_ready >= 32 - host_blocks
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "lots"])
+def test_a_bad_bounce_size_is_refused_naming_the_option(value):
+    with pytest.raises((TypeError, ValueError), match="bounce_bytes"):
+        kvoffload.Offloader(random_caches(8), bounce_bytes=value)
 
 
 @pytest.mark.gpu

@@ -101,7 +101,8 @@ class Offloader:
     completion reaches the worker loops: ``"poll"``, the default, or
     ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
-    ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
+    ``bounce_bytes`` (the disk tier's IO unit through its pinned bounce buffers, default
+    ``chunk_bytes``), ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
     disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` or ``disk_bytes`` add
     the disk tier: see the README's section on it; with both tiers, loads of disk-resident keys
     leave a copy in free host slots (``promote``, default True). ``persist=True`` keeps the disk
@@ -125,6 +126,7 @@ class Offloader:
         disk_blocks: int | None = None,
         disk_bytes: int | str | None = None,
         chunk_bytes: int = 128 << 20,
+        bounce_bytes: int | str | None = None,
         completion: Literal["poll", "thread"] = "poll",
         gather_ctas: int = 0,
         gather_priority: Literal["low", "high"] = "low",
@@ -148,7 +150,8 @@ class Offloader:
             host_blocks=host_blocks, host_bytes=host_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
             disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
             disk_blocks=disk_blocks, disk_bytes=disk_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
-            chunk_bytes=chunk_bytes, completion=completion, gather_ctas=gather_ctas,
+            chunk_bytes=chunk_bytes, bounce_bytes=bounce_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
+            completion=completion, gather_ctas=gather_ctas,
             gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
             remote=remote, remote_shard=remote_shard, remote_write=remote_write,

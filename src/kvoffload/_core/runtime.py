@@ -116,10 +116,11 @@ class Footprint:
     def of(cls, layout: BlockLayout, opts: Options, slots: TierSlots) -> Footprint:
         """What an offloader of ``layout``, ``opts`` and ``slots`` takes."""
         chunk = max(1, opts.chunk_bytes // layout.slot_bytes) * layout.slot_bytes
+        bounce = max(1, (opts.bounce_bytes or opts.chunk_bytes) // layout.slot_bytes) * layout.slot_bytes
         bounce_directions = (2 if not slots.host else 1) if slots.disk else 0
         return cls(
             host_slab=slots.host * layout.slot_bytes,
-            disk_bounce=bounce_directions * 2 * chunk,
+            disk_bounce=bounce_directions * 2 * bounce,
             bookkeeping=(slots.host + slots.disk) * BOOKKEEPING_BYTES_PER_SLOT,
             gpu_staging=2 * 2 * chunk if layout.is_cuda and opts.copy_engine == "kernel" else 0,
             disk_file=slots.disk * layout.slot_bytes,
@@ -291,6 +292,7 @@ class Runtime:
             self.storage = TieredStorage(
                 layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
+                bounce_blocks=max(1, (opts.bounce_bytes or opts.chunk_bytes) // layout.slot_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
                 identity=CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None, verify=opts.verify,
             )

@@ -211,6 +211,7 @@ class TieredStorage:
         io_threads: int,
         use_page_cache: bool,
         promote: bool = False,
+        bounce_blocks: int | None = None,
         identity: CacheIdentity | None = None,
         verify: bool = False,
     ) -> None:
@@ -238,7 +239,7 @@ class TieredStorage:
             if disk_blocks:
                 assert disk_path is not None
                 self.disk = DiskTier(
-                    layout, disk_path, disk_blocks, workers, chunk_blocks=chunk_blocks, io_threads=io_threads,
+                    layout, disk_path, disk_blocks, workers, chunk_blocks=bounce_blocks or chunk_blocks, io_threads=io_threads,
                     use_page_cache=use_page_cache, store_bounce=not host_blocks, identity=identity, verify=verify,
                 )
                 if self.disk.persistent is not None:
