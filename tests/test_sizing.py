@@ -218,10 +218,10 @@ def test_bounce_bytes_sizes_the_disk_bounce_buffers_and_transfers_still_round_tr
         assert off.stats().disk_ready >= 32 - host_blocks
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, "lots"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "lots", (128 << 20) + 1])
 def test_a_bad_bounce_size_is_refused_naming_the_option(value):
     with pytest.raises((TypeError, ValueError), match="bounce_bytes"):
-        kvoffload.Offloader(random_caches(8), bounce_bytes=value)
+        kvoffload.Offloader(random_caches(8), bounce_bytes=value)  # the last: more than chunk_bytes
 
 
 @pytest.mark.gpu

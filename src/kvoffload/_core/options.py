@@ -83,9 +83,9 @@ class Options:
     staging buffers of this size per direction (512 MiB of GPU memory in all at the default)."""
     bounce_bytes: int | None = None
     """The disk tier's IO unit through its pinned bounce buffers (an int, or a string such as
-    ``"32MiB"``, kept here as an int; rounded down to whole slots, at least one): each bounce buffer
-    has two halves of this size, so the disk IO of one half overlaps the copy of the other. Default:
-    ``chunk_bytes``. See the README's *Sizing*."""
+    ``"32MiB"``, kept here as an int; rounded down to whole slots, at least one; at most
+    ``chunk_bytes``): each bounce buffer has two halves of this size, so the disk IO of one half
+    overlaps the copy of the other. Default: ``chunk_bytes``. See the README's *Sizing*."""
     completion: Literal["poll", "thread"] = "poll"
     """How CUDA completion reaches the worker loops (see docs/design.md)."""
     gather_ctas: int = 0
@@ -164,6 +164,11 @@ class Options:
             object.__setattr__(self, "bounce_bytes", parse_size("bounce_bytes", self.bounce_bytes))
             if not self.bounce_bytes:
                 raise ValueError("bounce_bytes must be at least one byte (it is rounded to whole slots, at least one)")
+            if self.bounce_bytes > self.chunk_bytes:
+                raise ValueError(
+                    f"bounce_bytes={self.bounce_bytes} is more than chunk_bytes={self.chunk_bytes}: a bounce half is copied "
+                    "to or from the cache as one chunk; give a smaller bounce_bytes or a larger chunk_bytes"
+                )
         _check_count("io_threads", self.io_threads, minimum=1)
         _check_count("gather_ctas", self.gather_ctas, minimum=0)
         if self.disk_path is not None:
