@@ -209,7 +209,7 @@ class DiskFile:
         end of the file read as zeros. For headers and start-up reads, not the hot path."""
         buf = mmap.mmap(-1, max(nbytes, SLOT_ALIGN))  # page aligned
         try:
-            done = call_foreign("disk read (preadv)", os.preadv, self.fd, [memoryview(buf)[:nbytes]], offset)
+            done = call_foreign("disk read (preadv)", self.io.preadv, self.fd, [memoryview(buf)[:nbytes]], offset)
             return bytes(buf[:done]).ljust(nbytes, b"\0")
         finally:
             buf.close()

@@ -46,7 +46,6 @@ from typing import Any
 
 from ..cache_identity import CacheIdentity, decode_key, encode_key
 from ..diskfile import IOV_MAX, DiskFile
-from ..foreign import call_foreign
 from ..layout import runs
 from ..persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
 
@@ -85,7 +84,7 @@ class PersistentSlots:
         self.identity = identity
         self.verify = verify
         self.stride = HEADER_BYTES + slot_bytes
-        self.header = FileHeader(slot_bytes, slots, secrets.token_bytes(16), identity.digest, identity.to_json())
+        self.header = _new_header(slots, slot_bytes, identity)
         self.namespace = b""
         self._written: dict[int, tuple[int, int, bytes]] = {}
         """Slot -> (sequence number, payload CRC32C, encoded key) of what it holds, as written or found."""
@@ -119,8 +118,7 @@ class PersistentSlots:
     @staticmethod
     def file_bytes_of(slots: int, slot_bytes: int, identity: CacheIdentity) -> int:
         """:attr:`file_bytes` of a file of ``slots`` slots of ``slot_bytes`` for ``identity``."""
-        header = FileHeader(slot_bytes, slots, bytes(16), identity.digest, identity.to_json())
-        return header.data_offset + slots * (HEADER_BYTES + slot_bytes)
+        return _new_header(slots, slot_bytes, identity).data_offset + slots * (HEADER_BYTES + slot_bytes)
 
     # -- open ----------------------------------------------------------------------
 
@@ -169,7 +167,7 @@ class PersistentSlots:
 
     def _initialise(self) -> None:
         """Start the file empty: a new epoch, so no slot written before is valid."""
-        self.header = FileHeader(self.slot_bytes, self.slots, secrets.token_bytes(16), self.identity.digest, self.identity.to_json())
+        self.header = _new_header(self.slots, self.slot_bytes, self.identity)
         self.namespace = _namespace(self.header)
         self.file.resize(self.file_bytes)
         self.file.write_bytes(self.header.pack(), 0)
@@ -232,7 +230,7 @@ class PersistentSlots:
             buf = mmap.mmap(-1, HEADER_BYTES)
             try:
                 for slot in range(first, first + n):
-                    call_foreign("disk read (preadv)", os.preadv, self.file.fd, [buf], self.offset(slot))
+                    self.file.read([buf], self.offset(slot))
                     page = memoryview(buf)
                     out[slot] = h = SlotHeader.parse(page)
                     damaged += h is None and bytes(page[:6]) == b"KVSLOT"
@@ -252,7 +250,7 @@ class PersistentSlots:
             buf = mmap.mmap(-1, self.slot_bytes)
             try:
                 slot, h = candidates[i]
-                call_foreign("disk read (preadv)", os.preadv, self.file.fd, [buf], self.offset(slot) + HEADER_BYTES)
+                self.file.read([buf], self.offset(slot) + HEADER_BYTES)
                 ok[i] = crc32c_of(memoryview(buf)[: self.block_bytes]) == h.payload_crc
             finally:
                 buf.close()
@@ -296,25 +294,15 @@ class PersistentSlots:
         try:
             self.file.write(buffers, self.offset(slots[group[0]]))
         except BaseException:
-            with self._lock:
+            with self._lock:  # a failed write may have left a header over a torn payload: void it
                 self._writing.difference_update(mine)
-            self._void(mine)  # a failed write may have left a header over a torn payload
+                self._tombstones += mine
+            self._write_tombstones()
             raise
         with self._lock:  # one step: a tombstone never finds these slots in neither set
             self._writing.difference_update(mine)
             self._written.update(written)
             self._changes += 1
-
-    def _void(self, slots: Iterable[int]) -> None:
-        """Best effort: overwrite the headers of ``slots`` with zeros."""
-        zeros = mmap.mmap(-1, HEADER_BYTES)
-        try:
-            for s in slots:
-                self.file.write([zeros], self.offset(s))
-        except OSError:
-            log.warning("kvoffload: %s: could not void the headers of slots whose write failed", self.file.path, exc_info=True)
-        finally:
-            zeros.close()
 
     def read_calls(self, rows: Sequence[Any], slots: Sequence[int], job_bytes: int) -> list[Callable[[], None]]:
         """IO calls reading slot ``slots[i]`` into ``rows[i]``, each header checked against what the
@@ -386,7 +374,7 @@ class PersistentSlots:
         except OSError:
             with self._lock:
                 self._tombstoning = False
-            log.warning("kvoffload: %s: could not mark freed slots; their old entries may come back after a restart", self.file.path, exc_info=True)
+            log.warning("kvoffload: %s: could not void slot headers; their old entries may come back after a restart", self.file.path, exc_info=True)
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -488,6 +476,11 @@ class PersistentSlots:
                 return
             except OSError:
                 log.warning("kvoffload: %s: writing a checkpoint failed; trying again later", self.checkpoint_path, exc_info=True)
+
+
+def _new_header(slots: int, slot_bytes: int, identity: CacheIdentity) -> FileHeader:
+    """The header of a file started empty for ``identity``: a new epoch."""
+    return FileHeader(slot_bytes, slots, secrets.token_bytes(16), identity.digest, identity.to_json())
 
 
 def _namespace(header: FileHeader) -> bytes:
