@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import pytest
+
 __all__ = ["RedisBinaries", "RedisServer", "TcpProxy", "redis_binaries", "redis_cluster", "redis_server"]
 
 _START_TIMEOUT_S = 10.0
@@ -302,3 +304,22 @@ class TcpProxy:
         finally:
             writer.transport.abort()
             self._writers.discard(writer)
+
+
+# -- fixtures (imported by the test modules that need a server) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def binaries() -> RedisBinaries:
+    """The redis binaries, installed if missing; the module's tests are skipped if that cannot be done."""
+    found = redis_binaries()
+    if found is None:
+        pytest.skip("redis-server is not installed and could not be installed")
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(binaries: RedisBinaries) -> Iterator[list[RedisServer]]:
+    """A three-node Redis Cluster for the module's tests."""
+    with redis_cluster(binaries) as nodes:
+        yield nodes

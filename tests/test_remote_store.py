@@ -21,17 +21,9 @@ from kvoffload import OffloadError
 from kvoffload._core.cache_identity import encode_key
 from kvoffload._core.errors import ClosedError
 from kvoffload._core.remote import RedisStore, RemoteStore, RemoteUnavailableError, pack_value
-from redis_servers import RedisServer, TcpProxy, free_port, redis_binaries, redis_cluster, redis_server
+from redis_servers import RedisServer, TcpProxy, binaries, cluster, free_port, redis_server  # binaries, cluster: fixtures
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def binaries():
-    found = redis_binaries()
-    if found is None:
-        pytest.skip("redis-server is not installed and could not be installed")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +31,6 @@ def shared_server(binaries):
     """One standalone server for the tests that only store and read (each under its own identity)."""
     with redis_server(binaries) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def cluster(binaries):
-    with redis_cluster(binaries) as nodes:
-        yield nodes
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import torch
 import kvoffload
 from conftest import block_bytes, random_caches
 from kvoffload import TransferError
-from redis_servers import TcpProxy, redis_binaries, redis_cluster, redis_server
+from redis_servers import TcpProxy, binaries, cluster, redis_server  # binaries, cluster: fixtures
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,25 +30,11 @@ BLOCKS = 16
 SEED = 7
 
 
-@pytest.fixture(scope="module")
-def binaries():
-    found = redis_binaries()
-    if found is None:
-        pytest.skip("redis-server is not installed and could not be installed")
-    return found
-
-
 @pytest.fixture
 def server(binaries):
     """A server of the test's own (nothing another test stored is there)."""
     with redis_server(binaries) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def cluster(binaries):
-    with redis_cluster(binaries) as nodes:
-        yield nodes
 
 
 def store_and_close(url: str, keys: list, *, seed: int = SEED, **kw: object) -> kvoffload.OffloaderStats:
