@@ -315,7 +315,7 @@ async def test_cancel_mid_io_waits_for_it_and_publishes_nothing_unfinished(tmp_p
         assert s.pending == 0 and s.spilling == 0 and s.in_flight == 0
         assert off.lookup([("new", i) for i in range(new)]) == 0 or host_blocks == 0
         assert off.lookup([("new", i) for i in range(new)]) < new, "the cancelled store published every key"
-        assert (s.host_free + s.host_ready, s.disk_free + s.disk_ready) == (before.host_free + before.host_ready, before.disk_free + before.disk_ready)
+        assert (s.host_free + s.host_ready, s.disk_free + s.disk_ready + s.disk_clean) == (before.host_free + before.host_ready, before.disk_free + before.disk_ready + before.disk_clean)
         visible = {k: v for k, v in {**{("old", i): i for i in range(2)}, **{("new", i): 40 + i for i in range(new)}}.items() if k in off}
         if visible:
             await assert_keys_load(off, caches, orig, visible)

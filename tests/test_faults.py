@@ -187,7 +187,7 @@ async def test_fault_fails_only_its_transfer(tmp_path, faults, fault, op, from_c
 
         s = off.stats()
         assert (s.pending, s.pinned, s.spilling, s.in_flight) == (0, 0, 0, 0), s
-        assert s.host_free + s.host_ready == s.host_slots and s.disk_free + s.disk_ready == s.disk_slots, s
+        assert s.host_free + s.host_ready == s.host_slots and s.disk_free + s.disk_ready + s.disk_clean == s.disk_slots, s
         assert s.failed == before.failed + expect_failure
         assert s.evicted == before.evicted == 0
 

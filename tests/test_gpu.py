@@ -508,7 +508,7 @@ async def test_gpu_disk_cancel_mid_transfer(tmp_path, faults):
         except kvoffload.TransferCancelled:
             pass
         s = off.stats()
-        assert s.pending == 0 and s.in_flight == 0 and s.disk_free + s.disk_ready == 256
+        assert s.pending == 0 and s.in_flight == 0 and s.disk_free + s.disk_ready + s.disk_clean == 256
         await check_every_visible_key(off, caches, orig, {i: i for i in range(256)})
 
 

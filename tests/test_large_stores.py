@@ -49,7 +49,7 @@ async def assert_loads(off, caches, orig, key_to_block, seed: int = 7) -> None:
 def assert_nothing_held(off, host: int = HOST, disk: int = DISK) -> None:
     s = off.stats()
     assert s.pending == 0 and s.pinned == 0 and s.spilling == 0 and s.in_flight == 0, s
-    assert s.host_free + s.host_ready == host and s.disk_free + s.disk_ready == disk, s
+    assert s.host_free + s.host_ready == host and s.disk_free + s.disk_ready + s.disk_clean == disk, s
 
 
 @pytest.mark.asyncio

@@ -32,8 +32,7 @@ def make(make_offloader, tmp_path, caches, host: int = HOST, disk: int = DISK, *
 
 def clean_copies(off: kvoffload.Offloader) -> int:
     """Disk slots holding the clean copy of a host-resident entry (neither free nor a disk entry's)."""
-    s = off.stats()
-    return s.disk_slots - s.disk_free - s.disk_ready
+    return off.stats().disk_clean
 
 
 async def to_disk(off: kvoffload.Offloader, blocks: dict) -> None:

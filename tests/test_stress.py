@@ -229,7 +229,7 @@ async def test_cancellation_storm(tmp_path, request, config):
             await asyncio.to_thread(spin_until, lambda: off.stats().in_flight == 0, 10, "in_flight == 0")
             s = off.stats()
             assert (s.pending, s.pinned, s.spilling, s.in_flight) == (0, 0, 0, 0), s
-            assert s.host_free + s.host_ready == s.host_slots and s.disk_free + s.disk_ready == s.disk_slots, s
+            assert s.host_free + s.host_ready == s.host_slots and s.disk_free + s.disk_ready + s.disk_clean == s.disk_slots, s
             ended_cancelled = sum(t.cancelled() for t in transfers)
             assert s.failed == 0
             assert s.cancelled == ended_cancelled, (s.cancelled, ended_cancelled)
