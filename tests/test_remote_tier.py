@@ -393,3 +393,177 @@ async def test_remote_hits_take_room_from_unused_entries_only(server):
         assert all(same_block(off, i, written, i) for i in range(4))
     finally:
         off.close()
+
+
+def written_bytes(seed: int = SEED) -> dict:
+    return random_caches(BLOCKS, seed=seed)
+
+
+@pytest.mark.asyncio
+async def test_a_disk_only_offloader_writes_its_blocks_through_and_loads_remote_hits(server, tmp_path):
+    keys = [f"d{i}" for i in range(10)]
+    writer = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=SEED), host_blocks=0, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS, remote=server.url,
+    ).start()
+    try:
+        writer.store({k: i for i, k in enumerate(keys)}).result(10)
+    finally:
+        writer.close()
+    assert writer.stats().remote_writes == len(keys) and writer.stats().remote_write_failures == 0
+    off = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=99), host_blocks=0, disk_path=str(tmp_path / "r.kv"), disk_blocks=BLOCKS, remote=server.url,
+        remote_write="none", chunk_bytes=3 * slot_bytes(),  # three blocks a chunk: several chunks
+    ).start()
+    try:
+        assert await off.alookup(keys) == len(keys)
+        await off.load({k: i for i, k in enumerate(keys)})
+        assert all(same_block(off, i, written_bytes(), i) for i in range(len(keys)))
+        s = off.stats()
+        assert s.remote_hits == len(keys) and s.disk_ready == len(keys) and s.pinned == 0 and s.pending == 0
+        await off.load({k: BLOCKS - 1 - i for i, k in enumerate(keys)})  # now local: read back from the disk slots
+        assert all(same_block(off, BLOCKS - 1 - i, written_bytes(), i) for i in range(len(keys)))
+        assert off.stats().remote_hits == len(keys)
+    finally:
+        off.close()
+
+
+def slot_bytes() -> int:
+    """The bytes of one host or disk slot of ``random_caches(BLOCKS)``."""
+    return kvoffload.Offloader(random_caches(BLOCKS), host_blocks=1).layout.slot_bytes
+
+
+@pytest.mark.asyncio
+async def test_a_store_larger_than_the_host_tier_is_written_through_whole(server, tmp_path):
+    keys = [f"L{i}" for i in range(12)]
+    writer = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=SEED), host_blocks=4, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS, remote=server.url,
+    ).start()
+    try:
+        writer.store({k: i for i, k in enumerate(keys)}).result(10)  # the first 8 straight to disk
+    finally:
+        writer.close()
+    assert writer.stats().remote_writes == len(keys)
+    off = reader(server.url)
+    try:
+        assert await off.alookup(keys) == len(keys)
+        await off.load({k: i for i, k in enumerate(keys)})
+        assert all(same_block(off, i, written_bytes(), i) for i in range(len(keys)))
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_remote_hits_go_to_disk_slots_when_every_host_slot_is_held(server, tmp_path):
+    keys = [f"r{i}" for i in range(4)]
+    store_and_close(server.url, keys)
+    off = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=99), host_blocks=BLOCKS, disk_path=str(tmp_path / "r.kv"), disk_blocks=BLOCKS, remote=server.url,
+        remote_write="none",
+    ).start()
+    try:
+        local = [f"l{i}" for i in range(BLOCKS)]
+        off.store({k: i for i, k in enumerate(local)}).result(10)
+        assert await off.alookup(keys) == 4
+        with off.lookup(local, hold=True) as lease:
+            assert lease.count == BLOCKS
+            await off.load({k: i for i, k in enumerate(keys)})
+            s = off.stats()
+            assert s.evicted == 0 and s.spilled == 0 and s.host_ready == BLOCKS and s.disk_ready == 4
+        assert all(same_block(off, i, written_bytes(), i) for i in range(4))
+        assert off.lookup(keys) == 4 and off.lookup(local) == BLOCKS
+    finally:
+        off.close()
+
+
+def wait_for_writes(off: kvoffload.Offloader, timeout: float = 10.0) -> kvoffload.OffloaderStats:
+    """The stats once no background write is pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = off.stats()
+        if s.remote_writes_pending == 0 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_write_on_eviction_sends_a_block_only_as_the_local_tiers_evict_it(server):
+    writer = kvoffload.Offloader(random_caches(BLOCKS, seed=SEED), host_blocks=4, remote=server.url, remote_write="evict").start()
+    try:
+        writer.store({f"a{i}": i for i in range(4)}).result(10)
+        assert wait_for_writes(writer).remote_writes == 0 and server.command("DBSIZE") == 0  # nothing evicted, nothing sent
+        writer.store({f"b{i}": 4 + i for i in range(4)}).result(10)  # evicts a0..a3 and overwrites their slots
+        s = wait_for_writes(writer)
+        assert s.remote_writes == 4 and s.evicted == 4 and s.remote_writes_dropped == 0
+    finally:
+        writer.close()
+    off = reader(server.url)
+    try:
+        assert await off.alookup([f"a{i}" for i in range(4)] + ["b0"]) == 4  # the b's were never evicted
+        await off.load({f"a{i}": i for i in range(4)})
+        assert all(same_block(off, i, written_bytes(), i) for i in range(4))  # the evicted bytes, not their heirs'
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_write_on_eviction_reads_blocks_evicted_from_the_disk_tier(server, tmp_path):
+    writer = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=SEED), host_blocks=2, disk_path=str(tmp_path / "w.kv"), disk_blocks=2, remote=server.url,
+        remote_write="evict",
+    ).start()
+    try:
+        for i in range(0, 6, 2):  # the third store spills the second, whose disk slots the first held
+            writer.store({f"e{i}": i, f"e{i + 1}": i + 1}).result(10)
+        s = wait_for_writes(writer)
+        assert s.evicted_disk == 2 and s.remote_writes == 2 and s.spilled == 4
+    finally:
+        writer.close()
+    off = reader(server.url)
+    try:
+        assert await off.alookup(["e0", "e1", "e2"]) == 2
+        await off.load({"e0": 0, "e1": 1})
+        assert same_block(off, 0, written_bytes(), 0) and same_block(off, 1, written_bytes(), 1)
+    finally:
+        off.close()
+
+
+def test_write_on_eviction_drops_what_finds_no_staging_room_and_counts_it(server):
+    off = kvoffload.Offloader(
+        random_caches(BLOCKS, seed=SEED), host_blocks=8, remote=server.url, remote_write="evict", bounce_bytes=slot_bytes(),
+    ).start()
+    try:
+        off.store({f"x{i}": i for i in range(8)}).result(10)
+        off.store({f"y{i}": 8 + i for i in range(8)}).result(10)  # 8 evicted at once, one staging slot
+        s = wait_for_writes(off)
+        assert s.evicted == 8 and s.remote_writes == 1 and s.remote_writes_dropped == 7
+    finally:
+        off.close()
+
+
+def test_remote_write_modes_are_checked():
+    with pytest.raises(ValueError, match="'through', 'evict' or 'none'"):
+        kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote="redis://127.0.0.1:1/0", remote_write="back")
+
+
+@pytest.mark.parametrize("write, disk, staged", [("through", True, True), ("through", False, False), ("evict", False, True), ("none", True, False)])
+def test_the_remote_staging_buffer_is_in_the_footprint(monkeypatch, tmp_path, write, disk, staged):
+    from kvoffload._core import hostmem
+    from kvoffload._core.runtime import Footprint
+
+    allocated: list[int] = []
+    real = hostmem.HostBuffer.__init__
+
+    def init(self, nbytes, *, pin):
+        allocated.append(nbytes)
+        real(self, nbytes, pin=pin)
+
+    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
+    slot = slot_bytes()
+    tiers = {"disk_path": str(tmp_path / "kv"), "disk_blocks": 4} if disk else {}
+    # no server needed: start() does not connect
+    with kvoffload.Offloader(
+        random_caches(BLOCKS), host_blocks=4, remote="redis://127.0.0.1:1/0", remote_write=write, bounce_bytes=2 * slot, **tiers,
+    ) as off:
+        need = Footprint.of(off.layout, off.options, off.options.tier_slots(slot))
+        assert need.remote_staging == (2 * slot if staged else 0)
+        assert sum(allocated) == need.host_slab + need.disk_bounce + need.remote_staging

@@ -96,7 +96,7 @@ from typing import TypeVar
 
 from .errors import CapacityError, MissingKeysError
 
-__all__ = ["BlockIndex", "Reservation", "Spill", "Pin"]
+__all__ = ["BlockIndex", "Evicted", "Reservation", "Spill", "Pin"]
 
 HOST, DISK = 0, 1
 TIER_NAMES = ("host", "disk")
@@ -158,6 +158,15 @@ class Pin:
     """True once the entry took ``promote_slot`` as its host copy."""
 
 
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """An entry a reservation evicted: its key and the slot that held its bytes (now the store's)."""
+
+    key: Hashable
+    tier: int
+    slot: int
+
+
 @dataclass
 class Reservation:
     """What :meth:`BlockIndex.reserve` set aside for one store."""
@@ -170,6 +179,9 @@ class Reservation:
     """How many leading ``entries`` have disk slots: all of them when the store tier is the disk; the
     first ones of a store larger than the host slots it can have (the rest, its last blocks, are in
     host slots, which it writes after these)."""
+    evicted: list[Evicted] = field(default_factory=list)
+    """With :attr:`BlockIndex.report_evictions`: the entries evicted to make room, whose slots keep
+    their bytes until the store writes them."""
 
 
 @dataclass
@@ -354,6 +366,10 @@ class BlockIndex:
         self._released_later: list[list[Pin]] = []
         """Pins of leases the garbage collector took (:meth:`release_later`), given back at the next call."""
         self.on_disk_slot_freed: Callable[[int], object] | None = None
+        self.report_evictions = False
+        """List the entries each reservation evicts in :attr:`Reservation.evicted` (write on eviction)."""
+        self._evicted: list[Evicted] | None = None
+        """The evictions of the reservation being made (under the lock), when reported."""
         """Called under the lock with each disk slot that goes back to the pool (a persistent tier voids
         its header): it must take no lock but its own and run no caller code."""
 
@@ -564,7 +580,7 @@ class BlockIndex:
 
     # -- store side ---------------------------------------------------------------
 
-    def reserve(self, keys: Iterable[Hashable], into: Reservation | None = None) -> Reservation:
+    def reserve(self, keys: Iterable[Hashable], into: Reservation | None = None, *, staged_in_host: bool = True) -> Reservation:
         """Reserve one slot in the store tier per new key, making room as needed.
 
         Keys already present (in any state but GONE) are skipped. Room comes
@@ -583,6 +599,9 @@ class BlockIndex:
         ``into`` (an empty reservation) is filled in place, in one step with the index's changes: a
         caller that an interrupt (a signal handler's ``KeyboardInterrupt``) stops anywhere finds in it
         exactly what it holds. An interrupt inside this call undoes what the call changed.
+
+        ``staged_in_host=False``: the disk-bound blocks need no host slot on their way (a remote
+        load stages them in the disk tier's bounce buffer), so they may have all of the disk slots.
         """
         keys = list(keys)
         r = Reservation([], [], []) if into is None else into
@@ -590,11 +609,12 @@ class BlockIndex:
         if _all_native(keys):
             with self._lock:
                 if not self._stand_ins:  # the common case: each key found by its own lookup
-                    return self._reserve(keys, keys, None, r)
-        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found, r), unique=True)
+                    return self._reserve(keys, keys, None, r, staged_in_host)
+        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found, r, staged_in_host), unique=True)
 
     def _reserve(
         self, keys: list[Hashable], items: list[Hashable], found: list[Entry | None] | None, into: Reservation,
+        staged_in_host: bool = True,
     ) -> Reservation:
         """:meth:`reserve`, under the lock: ``found`` the entry of each key (None: every key is native and
         its own index key, and the index holds no stand-in); fills ``into``."""
@@ -636,7 +656,7 @@ class BlockIndex:
                 # that the last ones take), as long as the disk has or can make room for them.
                 host_room = free + len(victims)
                 direct = n - host_room
-                if t != HOST or not disk.size or not host_room:
+                if t != HOST or not disk.size or (staged_in_host and not host_room):
                     raise self._capacity_error(n)
                 if direct > len(disk.free) and direct - len(disk.free) > self._disk_room(direct - len(disk.free), victims):
                     raise self._capacity_error(n)
@@ -644,6 +664,8 @@ class BlockIndex:
         # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
         changed: list[Entry] = []  # entries other than the victims that lost a slot: evicted, or a clean copy dropped
         entries: list[Entry] = []
+        evicted: list[Evicted] | None = [] if self.report_evictions else None
+        self._evicted = evicted
         try:
             self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
             for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
@@ -681,10 +703,14 @@ class BlockIndex:
                 self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
             to_disk = len(entries) if t == DISK else direct
             into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
+            if evicted:
+                into.evicted = evicted
             return into
         except BaseException:
             self._undo_reserve(victims + changed, entries)
             raise
+        finally:
+            self._evicted = None
 
     def _capacity_error(self, n: int) -> CapacityError:
         """Under the lock: the error for a store of ``n`` new blocks that cannot have the slots it needs,
@@ -846,6 +872,8 @@ class BlockIndex:
 
     def _evict(self, e: Entry) -> None:
         """READY -> GONE to make room; its slots are free at once (nobody reads them)."""
+        if self._evicted is not None:
+            self._evicted.append(Evicted(e.key, e.tier, e.slot))
         self._forget(e)
         self._release(e.tier, e.slot, e)
         if e.clean_slot >= 0:

@@ -110,8 +110,8 @@ class Offloader:
     ``verify=True`` checks every slot's CRC32C when read): see the README's *Persistence*. ``remote`` (a Redis URL or a ``redis.asyncio``
     client) adds a tier shared by many serving nodes, for caches of one identity (the tensors'
     geometry, ``fingerprint``, ``remote_shard``): :meth:`alookup` counts its hits, ``load()`` reads
-    them, and completed stores are written to it in the background (``remote_write="through"``, or
-    ``"none"``); see the README's *Sharing a cache across nodes*. Every memory taken is listed in the
+    them, and blocks are written to it in the background as their stores complete
+    (``remote_write="through"``), as they are evicted (``"evict"``), or never (``"none"``); see the README's *Sharing a cache across nodes*. Every memory taken is listed in the
     README's *Sizing* section; ``start()`` refuses sizes that cannot fit before allocating.
     """
 
@@ -141,7 +141,7 @@ class Offloader:
         verify: bool = False,
         remote: str | Any = None,
         remote_shard: str = "",
-        remote_write: Literal["through", "none"] = "through",
+        remote_write: Literal["through", "evict", "none"] = "through",
     ) -> None:
         self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
@@ -542,6 +542,7 @@ class Offloader:
                 remote_unavailable=remote.unavailable,
                 remote_writes=remote.writes,
                 remote_write_failures=remote.write_failures,
+                remote_writes_dropped=remote.writes_dropped,
                 remote_writes_pending=remote.writes_pending,
                 latency=k.latency(),
             )

@@ -145,8 +145,10 @@ class Options:
     """Which shard of a sharded cache this offloader holds (the tensor-parallel rank): part of the
     cache identity, so ranks never read each other's blocks."""
     remote_write: str = "through"
-    """``"through"``: every completed store is sent to the remote in the background; ``"none"``: the
-    remote is only read from."""
+    """When blocks are sent to the remote, in the background: ``"through"``, as their store completes
+    (other nodes see them soon after); ``"evict"``, as the local tiers evict them (the remote holds
+    what this node let go; evicted blocks wait in a staging buffer of ``bounce_bytes``, and those that
+    find it full are not sent); ``"none"``: the remote is only read from."""
 
     def __post_init__(self) -> None:
         for tier in ("host", "disk"):
@@ -204,8 +206,8 @@ class Options:
             _check_remote(self.remote)
         if not isinstance(self.remote_shard, str):
             raise TypeError(f"remote_shard must be a str, got {type(self.remote_shard).__name__}")
-        if self.remote_write not in ("through", "none"):
-            raise ValueError(f"remote_write must be 'through' or 'none', got {self.remote_write!r}")
+        if self.remote_write not in ("through", "evict", "none"):
+            raise ValueError(f"remote_write must be 'through', 'evict' or 'none', got {self.remote_write!r}")
         if self.persist and self.disk_path is None:
             raise ValueError("persist=True needs a disk tier: give disk_path and disk_bytes (or disk_blocks)")
         for name in ("use_batch_copy", "use_page_cache", "expedited_loads", "promote", "persist", "verify"):

@@ -106,11 +106,14 @@ class Footprint:
     for stores and two for loads, on the GPU (512 MiB at the default ``chunk_bytes``)."""
     disk_file: int
     """The disk file: ``disk slots * slot_bytes``, reserved on its file system."""
+    remote_staging: int = 0
+    """A remote tier writing disk copies through (``remote_write="through"`` with a disk tier) or
+    evicted blocks (``"evict"``): one half of a bounce buffer (``bounce_bytes``), not pinned."""
 
     @property
     def host_memory(self) -> int:
-        """All host memory: slab, bounce buffers and bookkeeping."""
-        return self.host_slab + self.disk_bounce + self.bookkeeping
+        """All host memory: slab, bounce buffers, the remote tier's staging and bookkeeping."""
+        return self.host_slab + self.disk_bounce + self.remote_staging + self.bookkeeping
 
     @classmethod
     def of(cls, layout: BlockLayout, opts: Options, slots: TierSlots) -> Footprint:
@@ -124,6 +127,7 @@ class Footprint:
             bookkeeping=(slots.host + slots.disk) * BOOKKEEPING_BYTES_PER_SLOT,
             gpu_staging=2 * 2 * chunk if layout.is_cuda and opts.copy_engine == "kernel" else 0,
             disk_file=slots.disk * layout.slot_bytes,
+            remote_staging=bounce if opts.remote is not None and (opts.remote_write == "evict" or (opts.remote_write == "through" and slots.disk)) else 0,
         )
 
 

@@ -114,7 +114,7 @@ class OffloaderStats:
     remote_lookup_hits: int = 0
     """Keys ``alookup()`` found on the remote store (after the local hits)."""
     remote_hits: int = 0
-    """Keys loads read from the remote store (checked, then copied to the cache and kept in host slots)."""
+    """Keys loads read from the remote store (checked, then copied to the cache and kept as local entries)."""
     remote_misses: int = 0
     """Keys loads asked the remote for and did not get (gone since ``alookup()``, or rejected): each failed its load."""
     remote_bad_values: int = 0
@@ -122,11 +122,13 @@ class OffloaderStats:
     remote_unavailable: int = 0
     """Remote calls that found it unreachable (lookups then count local hits only, loads and writes fail)."""
     remote_writes: int = 0
-    """Blocks the remote accepted from background writes (``remote_write="through"``)."""
+    """Blocks the remote accepted from background writes (``remote_write="through"`` or ``"evict"``)."""
     remote_write_failures: int = 0
     """Blocks whose background write failed, was refused or was dropped at close."""
+    remote_writes_dropped: int = 0
+    """Evicted blocks not sent (``remote_write="evict"``): the staging buffer was full, or closing."""
     remote_writes_pending: int = 0
-    """Blocks being written to the remote now (their host copies pinned meanwhile; not in ``in_flight``)."""
+    """Blocks being written to the remote now (their local copies pinned, or their bytes staged, meanwhile; not in ``in_flight``)."""
     latency: dict[tuple[str, str, str], LatencyHistogram] = field(default_factory=dict, repr=False)
     """Per ``(kind, outcome, phase)``: kind ``store`` or ``load``; outcome ``done``, ``failed`` or
     ``cancelled``; phase ``queue`` (from the call until a worker took the transfer: GPU transfers

@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -318,6 +318,53 @@ class DiskTier:
             if reading is not None:
                 await reading[0].settle()
                 pool.release(reading[1])
+            await worker.settle(last)
+            raise
+
+    async def load_fetched(
+        self, pairs: Sequence[tuple[int, int]], keys: Sequence[Hashable],
+        fetch: Callable[[Sequence[Hashable], list[np.ndarray]], Awaitable[None]],
+    ) -> None:
+        """Blocks from elsewhere (the remote tier) to cache blocks and disk slots (``(slot, block id)``,
+        for ``keys``, pairwise), on the load worker's loop: chunk by chunk, ``fetch(keys, buffers)``
+        fills a load bounce half, then the IO threads write it to the slots while the copy takes it
+        to the cache; the next chunk's fetch goes on meanwhile. On error or cancellation every write
+        and copy started is waited for before the exception propagates."""
+        pool = self._load_pool
+        worker = self.workers.load
+        writes: list[IoBatch] = []
+        last: Any = None  # completion event of the last copy out of the bounce buffer
+
+        async def ended(batch: IoBatch, event: Any) -> None:
+            try:
+                await batch.wait()  # (not settle(): that would cancel the writes not started)
+            finally:
+                await worker.settle(event)
+
+        try:
+            for i, chunk in enumerate(chunked(pairs, pool.chunk_blocks)):
+                half = await pool.acquire()
+                rows = pool.rows_of(half, len(chunk))
+                first = i * pool.chunk_blocks
+                chunk_keys = keys[first : first + len(chunk)]
+                try:
+                    await fetch(chunk_keys, [pool.array[r] for r in rows])
+                    batch = self.write_rows(pool.array, rows, [s for s, _ in chunk], chunk_keys)
+                except BaseException:
+                    pool.release(half)
+                    raise
+                writes.append(batch)
+                event = None
+                try:
+                    event = last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], rows))
+                finally:
+                    pool.release_after(ended(batch, event), half)
+            for batch in writes:
+                await batch.wait()
+            await worker.wait(last)
+        except BaseException:
+            for batch in writes:
+                await batch.settle()
             await worker.settle(last)
             raise
 

@@ -8,12 +8,18 @@ three things:
   the remote holds (one ``exists`` round trip; keys found missing are not asked again for
   :data:`NEGATIVE_TTL_S`). Keys found are remembered for a while (:meth:`RemoteTier.reported`),
   so that a load may name them.
-- :meth:`RemoteTier.fetch`: a load's remote keys read into host slots it reserved, waiting for the
-  remote's copies to end even when the load is cancelled (nothing writes a slot once the load
-  gives it back).
-- :meth:`RemoteTier.write_through`: after a store completes, its host copies are pinned and sent
-  in the background; counted apart from transfers, waited for by :meth:`RemoteTier.close` up to its
-  deadline, then dropped (their pins given back).
+- :meth:`RemoteTier.fetch`: a load's remote keys read into buffers it owns (host slots it reserved,
+  or a disk-tier bounce half on the way to disk slots it reserved), waiting for the remote's copies
+  to end even when the load is cancelled (nothing writes a buffer once the load gives it back).
+- Background writes, counted apart from transfers, waited for by :meth:`RemoteTier.close` up to its
+  deadline, then dropped (their pins given back). ``write="through"``
+  (:meth:`RemoteTier.write_through`): after a store completes, its copies are pinned and sent, host
+  copies straight from their slots, disk copies read a window at a time into the tier's staging
+  buffer. ``write="evict"`` (:meth:`RemoteTier.capture_host`, :meth:`RemoteTier.capture_disk`):
+  a block is sent when the local tiers evict it: its bytes are copied into the staging buffer
+  before its slot is reused (a memcpy in the store's thread for a host slot, a read on the IO
+  threads for a disk slot), and sent from there; evicted blocks that find no staging room are
+  not sent (counted as dropped).
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from ..async_backends import wakeup
 from ..cache_identity import CacheIdentity, encode_key
 from ..deadline import Deadline
 from ..errors import ClosedError, MissingKeysError, TransferError
-from ..index import HOST, BlockIndex, Pin
+from ..hostmem import HostBuffer
+from ..index import DISK, HOST, BlockIndex, Evicted, Pin
 from ..remote import RemoteStore, RemoteUnavailableError
 from ..worker_loop import WorkerLoop
+from .disk import DiskTier
 
-__all__ = ["NEGATIVE_TTL_S", "REPORTED_TTL_S", "RemoteCounts", "RemoteTier"]
+__all__ = ["NEGATIVE_TTL_S", "REMOTE_WRITE_MODES", "REPORTED_TTL_S", "RemoteCounts", "RemoteTier", "StagingSlots"]
 
 log = logging.getLogger("kvoffload")
 
@@ -53,6 +61,8 @@ _CLOSE_GRACE_S = 2.0
 """How long close waits for cancelled writes and the store's close when its deadline has passed."""
 _MAX_REMEMBERED = 1 << 16
 """The most keys remembered as found (or as missing); the oldest go first."""
+REMOTE_WRITE_MODES = ("through", "evict", "none")
+"""When blocks are sent to the remote: as their store completes, as the local tiers evict them, never."""
 
 
 @dataclass(frozen=True)
@@ -66,21 +76,78 @@ class RemoteCounts:
     unavailable: int = 0
     writes: int = 0
     write_failures: int = 0
+    writes_dropped: int = 0
     writes_pending: int = 0
+
+
+class StagingSlots:
+    """Slots of unpinned, page-aligned host memory (``rows``) that background writes copy blocks into
+    on their way to the remote: disk copies read for a write-through, evicted blocks captured
+    before their slots are reused. Taken and given back from any thread; :meth:`take` waits on the
+    remote tier's loop."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.buffer = HostBuffer(slots * slot_bytes, pin=None)
+        self.rows: np.ndarray = self.buffer.tensor.numpy().reshape(slots, slot_bytes)
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._waiters: list[Callable[[], object]] = []
+
+    def try_take(self, n: int) -> list[int]:
+        """Up to ``n`` free slots, at once (maybe none)."""
+        with self._lock:
+            taken = self._free[len(self._free) - min(n, len(self._free)):]
+            del self._free[len(self._free) - len(taken):]
+            return taken
+
+    async def take(self, n: int) -> list[int]:
+        """Between 1 and ``n`` slots, waiting for one to be given back when none is free."""
+        loop = asyncio.get_running_loop()
+        while True:
+            freed: asyncio.Future[None] = loop.create_future()
+            with self._lock:
+                taken = self._free[len(self._free) - min(n, len(self._free)):]
+                del self._free[len(self._free) - len(taken):]
+                if not taken:
+                    self._waiters.append(lambda: loop.call_soon_threadsafe(_set_if_pending, freed))
+            if taken:
+                return taken
+            await freed
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop has closed
+                wake()
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def _set_if_pending(f: asyncio.Future[None]) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 class RemoteTier:
     """The remote store of one cache identity, on its own worker loop (see the module docstring).
 
     ``target``: a Redis URL or a caller-configured ``redis.asyncio`` client (used on the tier's loop
-    only, from then on); ``write``: ``"through"`` (every completed store is sent) or ``"none"``.
+    only, from then on); ``write``: one of :data:`REMOTE_WRITE_MODES`. :meth:`attach` tells it the
+    local tiers.
     """
 
     def __init__(self, target: object, identity: CacheIdentity, index: BlockIndex, write: str) -> None:
+        assert write in REMOTE_WRITE_MODES
         self.index = index
         self.write = write
         self.host_rows: np.ndarray | None = None
-        """The host slots (``uint8[slots, slot_bytes]``), set by the storage when it has a host tier."""
+        """The host slots (``uint8[slots, slot_bytes]``), when there is a host tier."""
+        self.disk: DiskTier | None = None
+        self.staging: StagingSlots | None = None
+        """Where disk copies and evicted blocks wait for their write (see :meth:`attach`)."""
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(RemoteCounts.__dataclass_fields__, 0)
         self._reported: OrderedDict[Hashable, float] = OrderedDict()
@@ -95,6 +162,15 @@ class RemoteTier:
 
         self.store: RemoteStore = RedisStore(target, identity.digest)  # type: ignore[arg-type]  # Options checked the type
         self.worker = WorkerLoop("kvoffload-remote")
+
+    def attach(self, host_rows: np.ndarray | None, disk: DiskTier | None, staging_slots: int) -> None:
+        """Tell the tier the local tiers (the storage calls it once, before any transfer): the host
+        slots, the disk tier, and how many slots of staging to allocate when writes need one (disk
+        copies to write through, evicted blocks to capture)."""
+        self.host_rows, self.disk = host_rows, disk
+        if self.write == "evict" or (self.write == "through" and disk is not None):
+            slot_bytes = host_rows.shape[1] if host_rows is not None else disk.layout.slot_bytes  # type: ignore[union-attr]
+            self.staging = StagingSlots(staging_slots, slot_bytes)
 
     # -- running coroutines on the tier's loop ---------------------------------------------
 
@@ -190,14 +266,12 @@ class RemoteTier:
 
     # -- loads --------------------------------------------------------------------------
 
-    async def fetch(self, keys: Sequence[Hashable], slots: Sequence[int]) -> None:
-        """Read the blocks of ``keys`` into host ``slots`` (owned by the caller); from a copy worker's
-        loop. ``TransferError`` when a key is no longer there (or its value fails a check) or the
-        remote cannot be reached. Cancelled, it returns only once nothing writes the slots."""
-        rows = self.host_rows
-        assert rows is not None
+    async def fetch(self, keys: Sequence[Hashable], buffers: Sequence[np.ndarray]) -> None:
+        """Read the blocks of ``keys`` into ``buffers`` (host slots or bounce rows the caller owns),
+        pairwise; from a copy worker's loop. ``TransferError`` when a key is no longer there (or its
+        value fails a check) or the remote cannot be reached. Cancelled, it returns only once nothing
+        writes the buffers."""
         encoded = [encode_key(k) for k in keys]
-        buffers = [rows[s] for s in slots]
         outcome, cancel = self._run(lambda: self.store.get_into(encoded, buffers))
         ended = asyncio.wrap_future(outcome)
         try:
@@ -225,52 +299,166 @@ class RemoteTier:
     # -- background writes ------------------------------------------------------------------
 
     def write_through(self, keys: Sequence[Hashable]) -> None:
-        """After a store of ``keys`` completed: pin their host copies and send them in the background
-        (a key evicted or discarded since, or only on disk, is not sent). Never raises."""
-        rows = self.host_rows
-        if self.write != "through" or rows is None or not keys:
-            return
-        try:
-            with self._lock:
-                if not self._accepting:
-                    return
-            pins = self._pin(keys)
-            on_host = [p for p in pins if p.tier == HOST]
-            self.index.unpin([p for p in pins if p.tier != HOST])
-            if not on_host:
-                return
-            encoded = [encode_key(p.entry.key) for p in on_host]
-            buffers = [rows[p.slot] for p in on_host]
-            with self._lock:
-                accepting = self._accepting
-            if not accepting:
-                self.index.unpin(on_host)
-                return
-            outcome, _ = self._run(lambda: self.store.put(encoded, buffers))
-        except ClosedError:  # the offloader is closing
-            self.index.unpin(on_host)
-            return
-        except Exception:
-            log.exception("kvoffload: starting a remote write failed; the blocks stay local")
+        """After a store of ``keys`` completed (``write="through"``): pin their copies and send them in
+        the background, host copies from their slots, disk copies through the staging buffer (a key
+        evicted or discarded since is not sent). Never raises."""
+        if self.write != "through" or not keys:
             return
         with self._lock:
-            self._counts["writes_pending"] += len(on_host)
+            if not self._accepting:
+                return
+        pins: list[Pin] = []
+        try:
+            pins = self._pin(keys)
+            sendable = [p for p in pins if (p.tier == HOST and self.host_rows is not None) or (p.tier == DISK and self.staging is not None)]
+            self.index.unpin([p for p in pins if p not in sendable])
+            pins = sendable
+            if pins:
+                self._start_write(len(pins), lambda: self._send_pinned(pins))
+        except ClosedError:  # the offloader is closing
+            self.index.unpin(pins)
+        except Exception:
+            self.index.unpin(pins)
+            log.exception("kvoffload: starting a remote write failed; the blocks stay local")
+
+    async def _send_pinned(self, pins: list[Pin]) -> None:
+        """On the tier's loop: send pinned copies (host ones first, then disk ones a staging window at a
+        time), unpinning each as it is sent; at the end (also when cancelled) every pin is given back."""
+        left = list(pins)
+        try:
+            on_host = [p for p in left if p.tier == HOST]
+            if on_host:
+                rows = self.host_rows
+                assert rows is not None
+                await self._put([p.entry.key for p in on_host], [rows[p.slot] for p in on_host])
+                self._unpin_sent(left, on_host)
+            on_disk = [p for p in left if p.tier == DISK]
+            while on_disk:
+                staging, disk = self.staging, self.disk
+                assert staging is not None and disk is not None
+                slots = await staging.take(len(on_disk))
+                window, on_disk = on_disk[: len(slots)], on_disk[len(slots):]
+                try:
+                    await disk.read_rows(staging.rows, slots, [p.slot for p in window]).wait()
+                    await self._put([p.entry.key for p in window], [staging.rows[s] for s in slots])
+                finally:
+                    staging.give_back(slots)
+                self._unpin_sent(left, window)
+        finally:
+            self.index.unpin(left)
+            self._write_ended(len(left), failed=len(left))
+
+    def _unpin_sent(self, left: list[Pin], sent: list[Pin]) -> None:
+        """Give back the pins of ``sent`` (written or failed: counted by :meth:`_put`), off ``left``."""
+        gone = {id(p) for p in sent}
+        left[:] = [p for p in left if id(p) not in gone]
+        self.index.unpin(sent)
+        self._write_ended(len(sent))
+
+    async def _put(self, keys: Sequence[Hashable], buffers: Sequence[np.ndarray]) -> None:
+        """Send one batch and count it (accepted, refused, unreachable); raises only when cancelled."""
+        try:
+            accepted = sum(await self.store.put([encode_key(k) for k in keys], buffers))
+        except RemoteUnavailableError:
+            self._add(unavailable=1, write_failures=len(keys))
+            return
+        except Exception as e:
+            log.warning("kvoffload: a remote write failed: %s", e)
+            self._add(write_failures=len(keys))
+            return
+        self._add(writes=accepted, write_failures=len(keys) - accepted)
+
+    def _start_write(self, blocks: int, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run the write ``make()`` of ``blocks`` blocks in the background, counted pending until it
+        ends (``ClosedError`` when the tier is closing)."""
+        with self._lock:
+            if not self._accepting:
+                raise ClosedError("the offloader is closing")
+            self._counts["writes_pending"] += blocks
+        try:
+            outcome, _ = self._run(make)
+        except BaseException:
+            self._write_ended(blocks)
+            raise
+        with self._lock:
             self._writes.add(outcome)
+        outcome.add_done_callback(self._forget_write)
 
-        def ended(f: concurrent.futures.Future[list[bool]]) -> None:
-            self.index.unpin(on_host)
-            accepted = 0 if f.cancelled() or f.exception() is not None else sum(f.result())
-            unavailable = not f.cancelled() and isinstance(f.exception(), RemoteUnavailableError)
-            if not f.cancelled() and f.exception() is not None and not unavailable:
-                log.warning("kvoffload: a remote write failed: %s", f.exception())
-            with self._lock:
-                self._writes.discard(f)
-                self._counts["writes_pending"] -= len(on_host)
-                self._counts["writes"] += accepted
-                self._counts["write_failures"] += len(on_host) - accepted
-                self._counts["unavailable"] += unavailable
+    def _forget_write(self, outcome: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._writes.discard(outcome)
 
-        outcome.add_done_callback(ended)
+    def _write_ended(self, blocks: int, failed: int = 0) -> None:
+        """``blocks`` of a background write are done with (``failed`` of them never sent)."""
+        if blocks:
+            self._add(writes_pending=-blocks, write_failures=failed)
+
+    # -- write on eviction ------------------------------------------------------------------
+
+    def capture_host(self, victims: Sequence[Evicted]) -> None:
+        """``write="evict"``: copy the bytes of host ``victims`` (just evicted; their slots not yet
+        written by their heirs) into staging slots and send them in the background; in the thread of
+        the store that evicted them, before its copies start. Victims that find no staging slot are
+        dropped (counted). Never raises."""
+        rows, staging = self.host_rows, self.staging
+        if not victims or rows is None or staging is None:
+            return
+        slots = self._take_staging(len(victims))
+        captured = victims[: len(slots)]
+        if captured:
+            staging.rows[slots] = rows[[v.slot for v in captured]]
+            self._send_captured(captured, slots)
+
+    async def capture_disk(self, victims: Sequence[Evicted]) -> None:
+        """``write="evict"``: as :meth:`capture_host` for disk ``victims``, read on the IO threads; from
+        the store's task before it writes their slots. A failed read drops them (counted)."""
+        staging, disk = self.staging, self.disk
+        if not victims or staging is None or disk is None:
+            return
+        slots = self._take_staging(len(victims))
+        captured = victims[: len(slots)]
+        if not captured:
+            return
+        try:
+            await disk.read_rows(staging.rows, slots, [v.slot for v in captured]).wait()
+        except Exception as e:
+            staging.give_back(slots)
+            log.warning("kvoffload: reading %d evicted block(s) for the remote failed: %s", len(captured), e)
+            self._add(write_failures=len(captured))
+            return
+        except BaseException:
+            staging.give_back(slots)
+            raise
+        self._send_captured(captured, slots)
+
+    def _take_staging(self, n: int) -> list[int]:
+        """Up to ``n`` staging slots for evicted blocks; those of the ``n`` that get none are counted dropped."""
+        staging = self.staging
+        assert staging is not None
+        with self._lock:
+            accepting = self._accepting
+        slots = staging.try_take(n) if accepting else []
+        if len(slots) < n:
+            self._add(writes_dropped=n - len(slots))
+        return slots
+
+    def _send_captured(self, captured: Sequence[Evicted], slots: list[int]) -> None:
+        staging = self.staging
+        assert staging is not None
+        keys = [v.key for v in captured]
+
+        async def send() -> None:
+            try:
+                await self._put(keys, [staging.rows[s] for s in slots])
+            finally:
+                staging.give_back(slots)
+                self._write_ended(len(keys))
+
+        try:
+            self._start_write(len(keys), send)
+        except ClosedError:
+            staging.give_back(slots)
+            self._add(writes_dropped=len(keys))
 
     def _pin(self, keys: Sequence[Hashable]) -> list[Pin]:
         """Pins of those ``keys`` still stored (each pinned alone when some are gone)."""
@@ -318,6 +506,8 @@ class RemoteTier:
             for outcome in list(self._outcomes):  # started as the loop stopped, never run: their waiters wake
                 outcome.cancel()
             self._final = self.counts()
+            if self.staging is not None:
+                self.staging.close()
         return stopped
 
     async def _close_store(self) -> None:

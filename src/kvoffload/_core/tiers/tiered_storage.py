@@ -222,6 +222,7 @@ class TieredStorage:
         self.workers = workers
         self.metrics = metrics
         self.chunk_blocks = chunk_blocks
+        self.bounce_blocks = bounce_blocks or chunk_blocks
         self.tensor_names = tuple(dict.fromkeys(p.name for p in layout.pieces))
         """The caches' tensors in copy order (a per-tensor load reports them in this order)."""
         self.index = BlockIndex(host_blocks, disk_blocks, promote=promote)
@@ -252,9 +253,24 @@ class TieredStorage:
             raise
 
     def attach_remote(self, remote: RemoteTier) -> None:
-        """Add the remote tier: loads may name keys it reported, completed stores are written through."""
-        remote.host_rows = self.host.array if self.host is not None else None
+        """Add the remote tier: loads may name keys it reported; blocks are written to it as their
+        stores complete or as they are evicted (its ``write`` mode). Its staging buffer, where the
+        writes of disk copies and evicted blocks wait, has as many slots as a bounce half."""
+        remote.attach(self.host.array if self.host is not None else None, self.disk, self.bounce_blocks)
+        self.index.report_evictions = remote.write == "evict"
         self.remote = remote
+
+    def _capture_evicted_on_host(self, reservation: Reservation) -> None:
+        """Write on eviction: the host slots a reservation evicted, copied for the remote before anything
+        writes them (at the call: a quick job's copies are enqueued before it returns)."""
+        if reservation.evicted and self.remote is not None:
+            self.remote.capture_host([v for v in reservation.evicted if v.tier == HOST])
+
+    async def _capture_evicted_on_disk(self, reservation: Reservation) -> None:
+        """Write on eviction: the disk slots a reservation evicted, read for the remote before its task
+        writes them (only a task's reservation evicts disk entries: its spills or disk-bound blocks)."""
+        if reservation.evicted and self.remote is not None:
+            await self.remote.capture_disk([v for v in reservation.evicted if v.tier == DISK])
 
     def _start(
         self, worker: CopyWorker, transfer: Transfer, hand_over: HandOver, plan: StorePlan | LoadPlan,
@@ -299,6 +315,7 @@ class TieredStorage:
         transfer = Transfer("store", self.tensor_names)
         try:
             self.index.reserve(blocks, plan.reservation)
+            self._capture_evicted_on_host(plan.reservation)
             if not plan.reservation.entries:
                 self.metrics.ended_at_once(TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0), transfer)
                 return transfer
@@ -331,6 +348,7 @@ class TieredStorage:
         plan.taken = time.perf_counter()
         if after is not None:
             self.workers.store.copier.wait_for(after)
+        await self._capture_evicted_on_disk(plan.reservation)
         if plan.reservation.spills:
             await self._spill(plan)
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
@@ -426,30 +444,39 @@ class TieredStorage:
         plan.block_ids = [blocks[k] for k in local]
         local_taking = [t for k, t in zip(blocks, taking) if k not in remote] if taking is not None else None
         self.index.pin(local, plan.pins, local_taking)
-        reservation = self.index.reserve(plan.remote_keys, plan.fetched.reservation)
+        reservation = self.index.reserve(plan.remote_keys, plan.fetched.reservation, staged_in_host=False)
+        self._capture_evicted_on_host(reservation)
         if reservation.skipped:  # stored here meanwhile, by a store still running: not loadable now
             raise MissingKeysError(reservation.skipped)
-        if reservation.to_disk:
-            raise CapacityError(
-                f"{reservation.to_disk} block(s) from the remote store found no host slot (they are read into host slots)",
-                requested=len(plan.remote_keys), capacity=self.index.counts()["host_free"],
-            )
         plan.fetched.block_ids = [blocks[e.key] for e in reservation.entries]
 
     async def _run_remote_load(self, plan: RemoteLoadPlan, after: Any) -> TransferResult:
-        """Read the remote keys into their reserved host slots (after the spills that make room), copy
-        them to the cache, publish them as host entries; then load the local keys as any load."""
+        """Read the remote keys into the slots reserved for them (after the spills that make room), copy
+        them to the cache and publish them as local entries: those with disk slots (no host slot to be
+        had) through the disk tier's load bounce buffer, the others straight into their host slots.
+        Then load the local keys as any load."""
         plan.taken = time.perf_counter()
         if after is not None:
             self.workers.load.copier.wait_for(after)
         fetched = plan.fetched
+        remote = self.remote
+        assert remote is not None
+        await self._capture_evicted_on_disk(fetched.reservation)
         if fetched.reservation.spills:
             await self._spill(fetched)
-        assert self.remote is not None and self.host is not None
-        entries = fetched.reservation.entries
-        await self.remote.fetch([e.key for e in entries], [e.slot for e in entries])
-        await self.host.copy_out([(e.slot, b) for e, b in zip(entries, fetched.block_ids)])
-        fetched.publish(len(entries))
+        entries, to_disk = fetched.reservation.entries, fetched.reservation.to_disk
+        if to_disk:
+            assert self.disk is not None
+            pairs = [(e.slot, b) for e, b in zip(entries[:to_disk], fetched.block_ids)]
+            await self.disk.load_fetched(pairs, [e.key for e in entries[:to_disk]], remote.fetch)
+            fetched.publish(to_disk)
+        if to_disk < len(entries):
+            host = self.host
+            assert host is not None
+            in_host = entries[to_disk:]
+            await remote.fetch([e.key for e in in_host], [host.array[e.slot] for e in in_host])
+            await host.copy_out([(e.slot, b) for e, b in zip(in_host, fetched.block_ids[to_disk:])])
+            fetched.publish(len(in_host))
         if plan.pins:
             await self._run_load(plan, None)
         return plan.result()
