@@ -158,6 +158,7 @@ async def test_done_callbacks_run_on_the_loop_that_registered_them(faults):
             registered_in_thread.set()
 
         t.add_done_callback(on_loop)
+        t.add_done_callback(lambda tr: seen.setdefault("ending", threading.current_thread()), on_ending_thread=True)
         t.add_done_callback(removed)
         t.add_done_callback(removed)
         assert t.remove_done_callback(removed) == 2 and t.remove_done_callback(removed) == 0
@@ -168,6 +169,7 @@ async def test_done_callbacks_run_on_the_loop_that_registered_them(faults):
         await asyncio.wait_for(ran.wait(), 10)
         assert seen["loop"] is here and "removed" not in seen
         assert seen["thread"].name.startswith("kvoffload"), seen["thread"].name  # where the transfer ended
+        assert seen["ending"] is seen["thread"]  # registered on the loop, but asked to run where it ends
         # registered after the end: on the loop, soon (as asyncio's futures do), not inline
         late: list[threading.Thread] = []
         late_ran = asyncio.Event()

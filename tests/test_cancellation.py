@@ -182,7 +182,7 @@ def _worker_with_flag(flag: StandInFlag):
 
     from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, HandOver, QuickJob
     from kvoffload._core.cuda.events import make_bridge
-    from kvoffload._core.transfer import Transfer
+    from kvoffload._core.transfer import TransferControl
     from kvoffload._core.worker_loop import WorkerLoop
 
     loop = WorkerLoop("kvoffload-test-load")
@@ -191,10 +191,11 @@ def _worker_with_flag(flag: StandInFlag):
     host = torch.zeros((12, 16), dtype=torch.uint8)
     requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
     steps = _Steps()
-    transfer = Transfer("load")
+    control = TransferControl("load")
+    transfer = control.transfer
     hand_over = HandOver()
     enqueued = worker.enqueue(requests, None, hand_over)
-    worker.start_quick(QuickJob(transfer, hand_over, steps, lambda *a: None, enqueued=enqueued))
+    worker.start_quick(QuickJob(control, hand_over, steps, lambda *a: None, enqueued=enqueued))
     return loop, copier, steps, transfer
 
 

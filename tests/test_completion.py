@@ -36,7 +36,7 @@ class _PublishingSteps:
     def cleanup(self) -> None:
         self.cleanups += 1
 
-    def ended(self, transfer, result, exc, cancelled) -> None:
+    def ended(self, result, exc, cancelled) -> None:
         self.ends.append((result, cancelled))
         self.end_threads.append(threading.current_thread().name)
 
@@ -80,15 +80,16 @@ class _Rig:
 
     def start(self, chunks: int = 3):
         from kvoffload._core.copy_worker import HandOver, QuickJob
-        from kvoffload._core.transfer import Transfer
+        from kvoffload._core.transfer import TransferControl
 
         requests = self.requests(chunks)
         steps = _PublishingSteps()
-        transfer = Transfer("store")
+        control = TransferControl("store")
+        transfer = control.transfer
         first = len(self.copier.events)
         hand_over = HandOver()
         enqueued = self.worker.enqueue(requests, None, hand_over)
-        self.worker.start_quick(QuickJob(transfer, hand_over, steps, steps.ended, enqueued=enqueued))
+        self.worker.start_quick(QuickJob(control, hand_over, steps, steps.ended, enqueued=enqueued))
         return transfer, steps, self.copier.events[first:]
 
     def result_landing_once_asleep(self, transfer, events, asleep: threading.Event):
@@ -373,12 +374,13 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
     the transfer back (its copies completed, its flag back) and ends it, or leaves it to the worker,
     which ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
     from kvoffload._core.copy_worker import HandOver, QuickJob
-    from kvoffload._core.transfer import Transfer
+    from kvoffload._core.transfer import TransferControl
 
     steps = _PublishingSteps()
-    transfer = Transfer("load")
+    control = TransferControl("load")
+    transfer = control.transfer
     hand_over = HandOver()
-    job = QuickJob(transfer, hand_over, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
+    job = QuickJob(control, hand_over, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
 
     def taken() -> bool:
         """The worker has the job (it arrived), or made the task (which installs a canceller)."""
@@ -411,10 +413,10 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
             if job is not None:
                 rig.worker.start_quick(job)
             else:
-                rig.worker.start_task(transfer, hand_over, run_forever, steps.cleanup, steps.ended)
+                rig.worker.start_task(control, hand_over, run_forever, steps.cleanup, steps.ended)
     finally:
         monkeypatch.setattr(rig.loop, "mailbox", real_box)
-    rig.worker.abandon(hand_over, transfer, steps, steps.ended)
+    rig.worker.abandon(hand_over, control, steps, steps.ended)
     if path == "quick" and not worker_took_it:
         assert all(e.query() for e in rig.copier.events), "abandon returned with copies still running"
         assert rig.copier.flag.released.is_set()

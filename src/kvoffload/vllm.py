@@ -717,7 +717,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             with self._lock:
                 self._stores.popleft()
                 self._running_stores[transfer] = job.generation
-            transfer._on_end(functools.partial(self._store_ended, job))  # on the thread that ends it
+            transfer.add_done_callback(functools.partial(self._store_ended, job), on_ending_thread=True)
 
     def _discard_evicted(self, job: _StoreJob) -> None:
         """Discard the chunks the manager evicted. One that a running store is spilling to disk keeps
@@ -761,7 +761,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
         with self._lock:
             self._loads[job_id] = transfer
-        transfer._on_end(ended)
+        transfer.add_done_callback(ended, on_ending_thread=True)
         return True
 
     # -- vLLM's polling ------------------------------------------------------------------

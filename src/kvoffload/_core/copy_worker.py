@@ -48,14 +48,20 @@ from .cross_thread import Alarm, give_back_alarm, take_alarm
 from .cuda.events import completed, wait_completed
 from .errors import OffloadError, TransferError
 from .foreign import ForeignCallError, call_foreign
-from .transfer import Transfer, TransferResult
-from .worker_loop import EndHook, WorkerLoop
+from .transfer import TransferControl, TransferResult
+from .worker_loop import WorkerLoop
 
-__all__ = ["CopyWorker", "CopyWorkers", "CopyRequest", "CopyCalls", "Enqueued", "HandOver", "JobSteps", "QuickJob", "as_transfer_error"]
+__all__ = [
+    "CopyWorker", "CopyWorkers", "CopyRequest", "CopyCalls", "EndHook", "Enqueued", "HandOver", "JobSteps", "QuickJob", "as_transfer_error",
+    "end_transfer",
+]
 
 log = logging.getLogger("kvoffload")
 
 C = TypeVar("C")
+
+EndHook = Callable[[TransferResult | None, BaseException | None, bool], Any]
+"""``on_end(result, exc, cancelled)``: sees a transfer's outcome just before it ends (its plan counts it)."""
 
 
 @dataclass(eq=False)
@@ -165,13 +171,13 @@ class QuickJob:
     transfer is finished.
     """
 
-    __slots__ = ("transfer", "hand_over", "steps", "on_end", "requests", "enqueued", "next_landing", "ended", "sleepers")
+    __slots__ = ("control", "hand_over", "steps", "on_end", "requests", "enqueued", "next_landing", "ended", "sleepers")
 
     def __init__(
-        self, transfer: Transfer, hand_over: HandOver, steps: JobSteps, on_end: EndHook, *,
+        self, control: TransferControl, hand_over: HandOver, steps: JobSteps, on_end: EndHook, *,
         requests: list[CopyRequest] | None = None, enqueued: Enqueued | None = None,
     ) -> None:
-        self.transfer = transfer
+        self.control = control
         self.hand_over = hand_over
         self.steps = steps
         self.on_end = on_end
@@ -281,31 +287,23 @@ class CopyWorker:
         """Hand ``job`` to the worker (from any thread); it is taken with the others of its loop turn,
         unless its :class:`HandOver` was withdrawn meanwhile (:meth:`abandon`)."""
         if job.enqueued is not None:
-            job.transfer._set_finisher(functools.partial(self.finish_landed, job), self._hurry)
+            job.control.set_finisher(functools.partial(self.finish_landed, job), self._hurry)
             if job.enqueued.cancel_flag is not None:
-                job.transfer._set_canceller(functools.partial(self._stop_early, job))
+                job.control.set_canceller(functools.partial(self._stop_early, job))
         self.loop.mailbox.post(self._arrive, job)  # the hand-over: last
 
-    def abandon(self, hand_over: HandOver, transfer: Transfer, steps: JobSteps, on_end: EndHook) -> None:
+    def abandon(self, hand_over: HandOver, control: TransferControl, steps: JobSteps, on_end: EndHook) -> None:
         """After an exception (a signal handler's ``KeyboardInterrupt``, say) cut short the hand-over of
-        ``transfer`` anywhere between the making of ``hand_over`` and the worker's taking it: if the
+        a transfer (``control``) anywhere between the making of ``hand_over`` and the worker's taking it: if the
         worker took it, cancel it (the worker ends it, once its copies have landed); else withdraw it
         (no worker touches it) and end it cancelled here: its copies waited for, ``steps.cleanup()``
         (slots and pins go back), ``on_end``, the end. Call from the interrupted thread, then re-raise."""
         if not hand_over.withdraw():
-            transfer.cancel()
+            control.transfer.cancel()
             return
         if hand_over.enqueued is not None:
             hand_over.enqueued.release()
-        try:
-            steps.cleanup()
-        except BaseException:
-            log.exception("%s: transfer cleanup raised", self.loop.name)
-        try:
-            on_end(transfer, None, None, True)
-        except BaseException:
-            log.exception("%s: transfer end hook raised", self.loop.name)
-        transfer._finish(cancelled=True)
+        end_transfer(self.loop.name, control, steps.cleanup, on_end, None, None, True)
 
     def _hurry(self) -> None:
         """(Any thread.) Somebody waits for a quick job: have the bridge follow its copies closely."""
@@ -326,7 +324,7 @@ class CopyWorker:
         nothing can end the job sooner; a load with a cancel flag sleeps on an alarm instead
         (:meth:`_sleep_until_landed`), which its end rings too."""
         enqueued = job.enqueued
-        if job.ended or enqueued is None or enqueued.error is not None or job.transfer._cancel_requested:
+        if job.ended or enqueued is None or enqueued.error is not None or job.control.cancel_requested:
             return False
         events = enqueued.events
         last = events[-1] if events else None
@@ -334,7 +332,7 @@ class CopyWorker:
             try:
                 if wait and enqueued.cancel_flag is None:
                     wait_completed(last)
-                    if job.ended or job.transfer._cancel_requested:
+                    if job.ended or job.control.cancel_requested:
                         return False
                 elif not (self._sleep_until_landed(job, last) if wait else completed(last)):
                     return False
@@ -372,7 +370,7 @@ class CopyWorker:
             except Exception:  # a failed device: the worker ends the job, and rings
                 log.debug("%s: could not enqueue a ring for a waiting thread", self.loop.name, exc_info=True)
             while not completed(last):
-                if job.ended or job.transfer._cancel_requested:
+                if job.ended or job.control.cancel_requested:
                     return False
                 alarm.sleep(self.RECHECK_ASLEEP_S)
             return True
@@ -452,7 +450,7 @@ class CopyWorker:
             for job in jobs:
                 if job.enqueued is not None:
                     self._follow_guarded(job)
-                elif job.transfer._cancel_requested:  # nothing copied yet: nothing to wait for
+                elif job.control.cancel_requested:  # nothing copied yet: nothing to wait for
                     self._end(job, cancelled=True)
                 else:
                     to_copy.append(job)
@@ -560,14 +558,14 @@ class CopyWorker:
             return False
         assert job.enqueued is not None
         job.enqueued.release()
-        if job.transfer._cancel_requested:
+        if job.control.cancel_requested:
             return self._end(job, cancelled=True, here=here)
         return self._end(job, exc=error, here=here)
 
     @staticmethod
     def _report_landings(job: QuickJob, i: int) -> None:
         """Tell ``job``'s steps that copies up to ``i`` landed (those that want to know). Under the job lock."""
-        if job.steps.reports_landings and not job.transfer._cancel_requested:
+        if job.steps.reports_landings and not job.control.cancel_requested:
             while job.next_landing <= i:
                 job.next_landing += 1
                 job.steps.landed(job.next_landing - 1)
@@ -581,7 +579,7 @@ class CopyWorker:
     def _copies_done(self, job: QuickJob) -> None:
         """Every submitted copy of ``job`` has completed: end it cancelled, failed or done."""
         assert job.enqueued is not None
-        if job.transfer._cancel_requested:
+        if job.control.cancel_requested:
             self._end(job, cancelled=True)
         elif job.enqueued.error is not None:
             self._end(job, exc=job.enqueued.error)
@@ -619,11 +617,7 @@ class CopyWorker:
         return True
 
     def _finish(self, job: QuickJob, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        try:
-            job.on_end(job.transfer, result, exc, cancelled)
-        except BaseException:
-            log.exception("%s: transfer end hook raised", self.loop.name)
-        job.transfer._finish(result=result, exc=exc, cancelled=cancelled)
+        end_transfer(self.loop.name, job.control, None, job.on_end, result, exc, cancelled)
         for alarm in tuple(job.sleepers):
             alarm.ring()
 
@@ -639,13 +633,18 @@ class CopyWorker:
     # -- transfers run as tasks -------------------------------------------------------------------
 
     def start_task(
-        self, transfer: Transfer, hand_over: HandOver, run: Callable[[], Coroutine[Any, Any, TransferResult]],
+        self, control: TransferControl, hand_over: HandOver, run: Callable[[], Coroutine[Any, Any, TransferResult]],
         cleanup: Callable[[], Any], on_end: EndHook,
     ) -> None:
-        """Run ``run()`` as a task on the loop for ``transfer`` (see :meth:`WorkerLoop.start_transfer`),
-        unless ``hand_over`` was withdrawn before the worker made the task (:meth:`abandon`): then
-        no task runs it, and neither ``cleanup`` nor ``on_end`` runs on the worker."""
-        kind = self.kind
+        """Run ``run()`` as a task on the loop for the transfer of ``control``, unless ``hand_over`` was
+        withdrawn before the worker made the task (:meth:`abandon`): then no task runs it, and
+        neither ``cleanup`` nor ``on_end`` runs on the worker. However the task ends (also cancelled
+        before its first step, when the coroutine's own ``finally`` never runs), ``cleanup`` runs on
+        the loop, then ``on_end`` sees the outcome, and only then does the transfer end, so what
+        ``on_end`` records is visible to every waiter that wakes. A cancel goes to the task itself
+        (``task.cancel()`` on its loop; the future of ``run_coroutine_threadsafe`` did not always
+        pass it on, CPython gh-105836)."""
+        kind, loop = self.kind, self.loop
 
         async def guarded() -> TransferResult:
             try:
@@ -659,18 +658,29 @@ class CopyWorker:
         async def withdrawn() -> TransferResult:
             raise asyncio.CancelledError
 
-        def make() -> Coroutine[Any, Any, TransferResult]:
-            return guarded() if hand_over.take() else withdrawn()
-
-        def cleanup_if_taken() -> None:
+        def ended(task: asyncio.Task[TransferResult]) -> None:
+            cancelled = task.cancelled()
+            exc = None if cancelled else task.exception()
+            result = None if cancelled or exc is not None else task.result()
             if hand_over.taken:
-                cleanup()
+                end_transfer(loop.name, control, cleanup, on_end, result, exc, cancelled)
+            else:
+                control.finish(result, exc, cancelled)
 
-        def on_end_if_taken(t: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-            if hand_over.taken:
-                on_end(t, result, exc, cancelled)
+        def cancel(task: asyncio.Task[TransferResult]) -> None:
+            if loop.in_thread():  # at once: a task cancelled before its first step copies nothing
+                task.cancel()
+                return
+            with contextlib.suppress(RuntimeError):  # the loop has stopped: its stop cancelled every task
+                loop.mailbox.post(task.cancel)
 
-        self.loop.start_transfer(transfer, make, cleanup_if_taken, on_end=on_end_if_taken)
+        def create() -> None:
+            task = loop.loop.create_task(guarded() if hand_over.take() else withdrawn())
+            loop.track(task)
+            task.add_done_callback(ended)
+            control.set_canceller(functools.partial(cancel, task))
+
+        loop.mailbox.post(create)
 
     async def copy(self, req: CopyRequest) -> Any:
         """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
@@ -755,6 +765,25 @@ class CopyWorker:
 
 
 _HAND_OVER_LOCK = threading.Lock()
+
+
+def end_transfer(
+    where: str, control: TransferControl, cleanup: Callable[[], Any] | None, on_end: EndHook,
+    result: TransferResult | None, exc: BaseException | None, cancelled: bool,
+) -> None:
+    """How a worker ends a transfer, whichever way it ran: ``cleanup()`` (what it holds goes back; its
+    copies have completed), ``on_end`` sees the outcome, then the transfer ends (its waiters wake).
+    Nothing raised here escapes (a ``SystemExit`` would stop the worker's loop for good)."""
+    if cleanup is not None:
+        try:
+            cleanup()
+        except BaseException:
+            log.exception("%s: transfer cleanup raised", where)
+    try:
+        on_end(result, exc, cancelled)
+    except BaseException:
+        log.exception("%s: transfer end hook raised", where)
+    control.finish(result, exc, cancelled)
 
 
 class HandOver:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .transfer import Transfer, TransferResult
+from .transfer import TransferControl, TransferResult
 
 __all__ = ["OffloaderStats", "LatencyHistogram", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 
@@ -210,12 +210,12 @@ class TransferCounters:
             self.in_flight += 1
             plan.counted = True
 
-    def ended_at_once(self, result: TransferResult, transfer: Transfer) -> None:
+    def ended_at_once(self, result: TransferResult, control: TransferControl) -> None:
         """Count a transfer that had nothing to copy (every key skipped, or no key), never in flight,
-        and finish ``transfer`` done with ``result``."""
+        and end its transfer done with ``result``."""
         now = time.perf_counter()
         self.ended(result.kind, result, False, False, started=now, taken=now, now=now, counted=False)
-        transfer._finish(result=result)
+        control.finish(result)
 
     def looked_up(self, hits: int) -> None:
         with self.lock:

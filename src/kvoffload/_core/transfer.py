@@ -7,6 +7,10 @@ or a callback. How a task sleeps until the transfer ends depends on the library 
 runs it: ``async_backends.py`` owns that (on asyncio, at most one cross-thread wake-up
 per waiting loop, shared with every other transfer that ends before that loop runs).
 
+The handle is all a caller sees. The workers hold its :class:`TransferControl`: the one
+place that ends the transfer, installs how to cancel it or end it in a waiting thread, and
+reports per-tensor landings.
+
 A ``Transfer`` is not an ``asyncio.Future``, but it has what asyncio's combinators
 use: ``asyncio.wait`` registers done callbacks (run on the registering loop, as a
 future's are) and removes them; ``gather``, ``wait_for``, ``as_completed``,
@@ -30,7 +34,7 @@ from .cross_thread import mailbox_of
 from .errors import ClosedError, TransferCancelled
 from .helper_threads import process_generation
 
-__all__ = ["Transfer", "TransferResult"]
+__all__ = ["Transfer", "TransferControl", "TransferResult"]
 
 log = logging.getLogger("kvoffload")
 
@@ -175,38 +179,36 @@ class Transfer:
         self._waiting()
         return finished.wait(timeout)
 
-    def add_done_callback(self, fn: Callable[[Transfer], Any], *, context: contextvars.Context | None = None) -> None:
+    def add_done_callback(
+        self, fn: Callable[[Transfer], Any], *, context: contextvars.Context | None = None, on_ending_thread: bool = False,
+    ) -> None:
         """Call ``fn(transfer)`` when the transfer ends (soon, if it has ended).
 
         Registered by an asyncio task or callback, it runs on that loop, as an
         ``asyncio.Future``'s callbacks do (``context`` as there), or where the transfer
         ends if that loop has closed meanwhile. Registered anywhere else (a plain thread, a
-        trio task), it runs on the thread that ends the transfer (its worker, or a thread that
-        awaits it, waits in :meth:`result` or asks :meth:`done` once its copies landed), or at
-        once if it has ended; keep it short and thread-safe, and never let it wait for another
-        transfer (``result()``): on the worker's thread, a wait for a transfer of the same worker
-        never ends. To wait there, register from an event loop, or hand the wait to a thread of
-        your own. Whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is
-        logged and ignored. Registering counts as waiting (``asyncio.wait`` and ``as_completed``
-        wait this way): a GPU transfer's worker then follows its copies closely.
+        trio task), or with ``on_ending_thread=True`` (bookkeeping of an integration that must
+        not depend on the caller's loop), it runs on the thread that ends the transfer (its
+        worker, or a thread that awaits it, waits in :meth:`result` or asks :meth:`done` once
+        its copies landed), or at once if it has ended; keep it short and thread-safe, and never
+        let it wait for another transfer (``result()``): on the worker's thread, a wait for a
+        transfer of the same worker never ends. To wait there, register from an event loop, or
+        hand the wait to a thread of your own. Whatever it raises, ``SystemExit`` and
+        ``KeyboardInterrupt`` included, is logged and ignored. Registering counts as waiting
+        (``asyncio.wait`` and ``as_completed`` wait this way): a GPU transfer's worker then
+        follows its copies closely, except with ``on_ending_thread``, which only observes.
         :class:`ClosedError` in a child forked while the transfer ran (it never ends there).
         """
         self._check_process()
-        cb: _Callback = (fn, running_asyncio_loop(), context)
+        cb: _Callback = (fn, None if on_ending_thread else running_asyncio_loop(), context)
         with self._lock:
             pending = self._state == _PENDING
             if pending:
                 self._callbacks.append(cb)
-        if pending:
+        if not pending:
+            self._dispatch(cb)
+        elif not on_ending_thread:
             self._waiting()
-            return
-        self._dispatch(cb)
-
-    def _on_end(self, fn: Callable[[Transfer], Any]) -> None:
-        """Call ``fn(transfer)`` where the transfer ends (now, if it has), whatever loop runs here:
-        for the library's own bookkeeping, which must not depend on a caller's loop."""
-        if not self._on_end_registered(fn):
-            _call_quietly(fn, self)
 
     def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
         """Remove every registration of ``fn``; returns how many there were."""
@@ -274,23 +276,6 @@ class Transfer:
             return None
         raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensor_names)}")
 
-    def _track_tensors(self, names: tuple[str, ...], events: list[Any] | None) -> None:
-        """Worker side, before the transfer is returned: the tensors in copy order, and (per-tensor GPU
-        loads) the event each tensor's copy ends with; without events tensors are done with the transfer."""
-        self._tensor_names = names
-        if events is not None:
-            self._tensors = {n: _TensorCopy(e) for n, e in zip(names, events)}
-
-    def _tensor_landed(self, index: int) -> None:
-        """Tensor ``index`` (in copy order) is in place: wake its waiters."""
-        assert self._tensors is not None
-        state = self._tensors[self._tensor_names[index]]
-        with self._lock:
-            state.done = True
-            waiters, state.waiters = state.waiters, []
-        for wake in waiters:
-            _call_quietly(wake, self)
-
     # -- waiting from an event loop ---------------------------------------------
 
     async def _wait(self) -> TransferResult:
@@ -344,50 +329,11 @@ class Transfer:
                 f"this {self.kind} was started before a fork() and runs on in the parent process only; it never ends here"
             )
 
-    # -- worker side ------------------------------------------------------------
-
-    def _set_finisher(self, finisher: Callable[[bool], bool], hurry: Callable[[], Any]) -> None:
-        """Install :meth:`_finish_if_landed`'s way to end the transfer in the waiting thread, and how to
-        tell its worker that somebody waits (:meth:`_waiting`)."""
-        self._finisher, self._hurry = finisher, hurry
-
     def _waiting(self) -> None:
         """Somebody starts waiting for the transfer (still running): its worker follows it closely."""
         hurry = self._hurry
         if hurry is not None:
             hurry()
-
-    def _set_canceller(self, canceller: Callable[[], Any]) -> None:
-        """Install how to stop the worker task; runs it now if a cancel came first."""
-        with self._lock:
-            self._canceller = canceller
-            fire = self._cancel_requested and self._state == _PENDING
-        if fire:
-            canceller()
-
-    def _finish(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> None:
-        with self._lock:
-            if self._state != _PENDING:
-                return
-            if cancelled:
-                self._state = _CANCELLED
-            elif exc is not None:
-                self._state, self._exc, self._exc_tb = _FAILED, exc, exc.__traceback__
-            else:
-                self._state, self._result = _DONE, result
-            callbacks, self._callbacks = self._callbacks, []
-            self._canceller = self._finisher = self._hurry = None
-            finished = self._finished
-            tensor_waiters = []
-            for state in (self._tensors or {}).values():
-                tensor_waiters += state.waiters
-                state.waiters = []
-        if finished is not None:
-            finished.set()
-        for cb in callbacks:
-            self._dispatch(cb)
-        for wake in tensor_waiters:  # those whose tensor never landed: they raise the outcome
-            _call_quietly(wake, self)
 
     def _dispatch(self, cb: _Callback) -> None:
         """Run a done callback where it belongs: on its loop, else (or if that loop has closed) here."""
@@ -399,6 +345,82 @@ class Transfer:
             except RuntimeError:  # closed meanwhile
                 pass
         _call_quietly(fn, self, context)
+
+
+class TransferControl:
+    """The workers' side of one :class:`Transfer` (the caller gets only :attr:`transfer`): the one
+    place that ends it (:meth:`finish`), how a cancel or a waiting thread reaches its worker, and the
+    per-tensor landings of a load."""
+
+    __slots__ = ("transfer",)
+
+    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
+        self.transfer = Transfer(kind, tensor_names)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once :meth:`Transfer.cancel` was called (before the transfer ended)."""
+        return self.transfer._cancel_requested
+
+    def set_finisher(self, finisher: Callable[[bool], bool], hurry: Callable[[], Any]) -> None:
+        """Install how a waiting thread ends the transfer once its copies have landed (``finisher(wait)``,
+        True if it did so), and how to tell its worker that somebody waits."""
+        t = self.transfer
+        t._finisher, t._hurry = finisher, hurry
+
+    def set_canceller(self, canceller: Callable[[], Any]) -> None:
+        """Install how to stop the transfer's work; runs it now if a cancel came first."""
+        t = self.transfer
+        with t._lock:
+            t._canceller = canceller
+            fire = t._cancel_requested and t._state == _PENDING
+        if fire:
+            canceller()
+
+    def finish(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> None:
+        """End the transfer (the first call wins): wake every waiter and run the done callbacks."""
+        t = self.transfer
+        with t._lock:
+            if t._state != _PENDING:
+                return
+            if cancelled:
+                t._state = _CANCELLED
+            elif exc is not None:
+                t._state, t._exc, t._exc_tb = _FAILED, exc, exc.__traceback__
+            else:
+                t._state, t._result = _DONE, result
+            callbacks, t._callbacks = t._callbacks, []
+            t._canceller = t._finisher = t._hurry = None
+            finished = t._finished
+            tensor_waiters = []
+            for state in (t._tensors or {}).values():
+                tensor_waiters += state.waiters
+                state.waiters = []
+        if finished is not None:
+            finished.set()
+        for cb in callbacks:
+            t._dispatch(cb)
+        for wake in tensor_waiters:  # those whose tensor never landed: they raise the outcome
+            _call_quietly(wake, t)
+
+    def track_tensors(self, names: tuple[str, ...], events: list[Any] | None) -> None:
+        """Before the transfer is returned: the tensors in copy order, and (per-tensor GPU loads) the
+        event each tensor's copy ends with; without events tensors are done with the transfer."""
+        t = self.transfer
+        t._tensor_names = names
+        if events is not None:
+            t._tensors = {n: _TensorCopy(e) for n, e in zip(names, events)}
+
+    def tensor_landed(self, index: int) -> None:
+        """Tensor ``index`` (in copy order) is in place: wake its waiters."""
+        t = self.transfer
+        assert t._tensors is not None
+        state = t._tensors[t._tensor_names[index]]
+        with t._lock:
+            state.done = True
+            waiters, state.waiters = state.waiters, []
+        for wake in waiters:
+            _call_quietly(wake, t)
 
 
 class _TensorCopy:

@@ -1,12 +1,10 @@
 """Dedicated event loops, each running in its own thread.
 
 The offloader runs stores on one :class:`WorkerLoop` and loads on another, so a
-long store never delays a load. Quick transfers need no task (their copy worker
-takes them in batch callbacks, posted through :attr:`WorkerLoop.mailbox`); the others
-are started with :meth:`WorkerLoop.start_transfer`, which creates the worker task on
-the loop and wires it to its :class:`Transfer` handle. Cancellation goes to the worker task itself (``task.cancel()`` on its
-loop) rather than through the future of ``run_coroutine_threadsafe``, whose
-cancellation did not always reach the task (CPython gh-105836).
+long store never delays a load; the remote tier has one of its own. A worker loop
+knows nothing of transfers: it runs what is posted to its :attr:`WorkerLoop.mailbox`,
+and at :meth:`WorkerLoop.stop` cancels the tasks registered with
+:meth:`WorkerLoop.track` first, then the helpers they left behind.
 """
 
 from __future__ import annotations
@@ -14,19 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from .cross_thread import Mailbox
 from .helper_threads import mark_own_thread
-from .transfer import Transfer, TransferResult
 
-__all__ = ["WorkerLoop", "EndHook"]
+__all__ = ["WorkerLoop"]
 
 log = logging.getLogger("kvoffload")
-
-EndHook = Callable[[Transfer, TransferResult | None, BaseException | None, bool], Any]
-"""``on_end(transfer, result, exc, cancelled)``: runs on the loop just before ``transfer`` is finished."""
 
 
 class WorkerLoop:
@@ -77,60 +71,11 @@ class WorkerLoop:
         """True when called from this loop's own thread."""
         return threading.current_thread() is self._thread
 
-    def start_transfer(
-        self,
-        transfer: Transfer,
-        make_coro: Callable[[], Coroutine[Any, Any, TransferResult]],
-        cleanup: Callable[[], Any],
-        on_end: EndHook | None = None,
-    ) -> None:
-        """Run ``make_coro()`` as a task on this loop and report its end to ``transfer``.
-
-        ``cleanup`` runs on the loop after the task ends however it ends, also
-        when it was cancelled before its first step (when the coroutine's own
-        ``finally`` never runs); it must be idempotent. Then ``on_end`` (if
-        given) sees the outcome, and only then is ``transfer`` finished, so
-        whatever ``on_end`` records is visible to every waiter that wakes.
-        """
-
-        def create() -> None:
-            task = self.loop.create_task(make_coro())
-            self._tasks.add(task)
-            task.add_done_callback(lambda t: self._task_done(t, transfer, cleanup, on_end))
-            transfer._set_canceller(lambda: self._cancel(task))
-
-        self.mailbox.post(create)
-
-    def _cancel(self, task: asyncio.Task[Any]) -> None:
-        # On the loop's own thread cancel at once: a task cancelled before its
-        # first step never starts its coroutine, so a transfer cancelled
-        # before it started copies nothing.
-        if self.in_thread():
-            task.cancel()
-            return
-        try:
-            self.mailbox.post(task.cancel)
-        except RuntimeError:  # the loop has stopped: stop() cancelled every task, this one included
-            pass
-
-    def _task_done(
-        self, task: asyncio.Task[TransferResult], transfer: Transfer, cleanup: Callable[[], Any], on_end: EndHook | None
-    ) -> None:
-        self._tasks.discard(task)
-        # Nothing raised here may escape: a SystemExit would stop this loop for good.
-        try:
-            cleanup()
-        except BaseException:
-            log.exception("%s: transfer cleanup raised", self.name)
-        cancelled = task.cancelled()
-        exc = None if cancelled else task.exception()
-        result = None if cancelled or exc is not None else task.result()
-        if on_end is not None:
-            try:
-                on_end(transfer, result, exc, cancelled)
-            except BaseException:
-                log.exception("%s: transfer end hook raised", self.name)
-        transfer._finish(result=result, exc=exc, cancelled=cancelled)
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """On the loop: ``task`` is one :meth:`stop` cancels and waits for before any other (the helper
+        tasks it may leave behind, such as buffer releases, end after it)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def stop(self, timeout: float | None) -> bool:
         """Cancel every task, wait for them to end, stop the loop and join the thread.

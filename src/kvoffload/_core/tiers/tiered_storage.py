@@ -34,7 +34,7 @@ from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, HandOver, QuickJob
 from ..layout import BlockLayout
-from ..transfer import Transfer, TransferResult
+from ..transfer import Transfer, TransferControl, TransferResult
 from ..stats import TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
 from ..errors import CapacityError, MissingKeysError
@@ -89,7 +89,7 @@ class StorePlan:
         keys = tuple(e.key for e in self.reservation.entries)
         return TransferResult("store", keys, tuple(self.reservation.skipped), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
-    def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+    def ended(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         """Count the store's end (keys it published before failing or being cancelled included), if it
         was counted started: a store refused at the call (``CapacityError``) or cut short before, never ran."""
         if result is not None and self.on_stored is not None:
@@ -145,7 +145,7 @@ class LoadPlan:
         keys = tuple(p.entry.key for p in self.pins)
         return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
-    def ended(self, transfer: Transfer, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+    def ended(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         """Count the load's end, with how many of its keys came from disk, if it was counted started."""
         if not self.counted:
             return
@@ -273,7 +273,7 @@ class TieredStorage:
             await self.remote.capture_disk([v for v in reservation.evicted if v.tier == DISK])
 
     def _start(
-        self, worker: CopyWorker, transfer: Transfer, hand_over: HandOver, plan: StorePlan | LoadPlan,
+        self, worker: CopyWorker, control: TransferControl, hand_over: HandOver, plan: StorePlan | LoadPlan,
         requests: list[CopyRequest] | None, after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
         enqueue: Callable[[Any], Enqueued] | None = None,
     ) -> None:
@@ -286,15 +286,15 @@ class TieredStorage:
                 after = worker.copier.caller_event()
             except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
                 hand_over.enqueued = Enqueued([], e)
-                worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, enqueued=hand_over.enqueued))
+                worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, enqueued=hand_over.enqueued))
                 return
         if requests is not None and self.layout.is_cuda:
             enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after, hand_over)
-            worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, enqueued=enqueued))
+            worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, enqueued=enqueued))
         elif requests is not None and len(requests) == 1:
-            worker.start_quick(QuickJob(transfer, hand_over, plan, plan.ended, requests=requests))
+            worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, requests=requests))
         else:
-            worker.start_task(transfer, hand_over, lambda: run(after), plan.cleanup, plan.ended)
+            worker.start_task(control, hand_over, lambda: run(after), plan.cleanup, plan.ended)
 
     # -- store ------------------------------------------------------------------------
 
@@ -312,35 +312,35 @@ class TieredStorage:
         plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks)
         if remote is not None and remote.write == "through":
             plan.on_stored = remote.write_through
-        transfer = Transfer("store", self.tensor_names)
+        control = TransferControl("store", self.tensor_names)
         try:
             self.index.reserve(blocks, plan.reservation)
             self._capture_evicted_on_host(plan.reservation)
             if not plan.reservation.entries:
-                self.metrics.ended_at_once(TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0), transfer)
-                return transfer
+                self.metrics.ended_at_once(TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0), control)
+                return control.transfer
             plan.block_ids = [blocks[e.key] for e in plan.reservation.entries]
             self.metrics.started(plan)
-            self.start_store(transfer, hand_over, plan, after)
+            self.start_store(control, hand_over, plan, after)
         except BaseException:
-            self._interrupted(self.workers.store, hand_over, transfer, plan)
+            self._interrupted(self.workers.store, hand_over, control, plan)
             raise
-        return transfer
+        return control.transfer
 
-    def _interrupted(self, worker: CopyWorker, hand_over: HandOver, transfer: Transfer, plan: StorePlan | LoadPlan) -> None:
+    def _interrupted(self, worker: CopyWorker, hand_over: HandOver, control: TransferControl, plan: StorePlan | LoadPlan) -> None:
         """An exception (a ``KeyboardInterrupt`` from a signal handler, say) cut short a store or load
         anywhere before its worker took it: the transfer ends cancelled, what it holds (slots, pins, the
         count in flight: the plan knows exactly what) given back once its copies are done; or, if the
         worker took it, the worker ends it so."""
-        worker.abandon(hand_over, transfer, plan, plan.ended)
+        worker.abandon(hand_over, control, plan, plan.ended)
 
-    def start_store(self, transfer: Transfer, hand_over: HandOver, plan: StorePlan, after: Any) -> None:
+    def start_store(self, control: TransferControl, hand_over: HandOver, plan: StorePlan, after: Any) -> None:
         """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
         requests = None
         if not plan.reservation.to_disk and not plan.reservation.spills:
             assert self.host is not None
             requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
-        self._start(self.workers.store, transfer, hand_over, plan, requests, after, functools.partial(self._run_store, plan))
+        self._start(self.workers.store, control, hand_over, plan, requests, after, functools.partial(self._run_store, plan))
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk: first those
@@ -405,27 +405,27 @@ class TieredStorage:
         interrupt anywhere in here leaks nothing (:meth:`_interrupted`)."""
         hand_over = HandOver()
         plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes)
-        transfer = Transfer("load", self.tensor_names)
+        control = TransferControl("load", self.tensor_names)
         try:
             if not blocks:
-                self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), transfer)
-                return transfer
+                self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), control)
+                return control.transfer
             remote_keys = self._remote_keys(blocks, taking)
             if remote_keys:
                 plan = remote_plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes)
                 self._plan_remote_load(remote_plan, blocks, taking)
                 self.metrics.started(plan)
                 self._start(
-                    self.workers.load, transfer, hand_over, plan, None, after, functools.partial(self._run_remote_load, remote_plan),
+                    self.workers.load, control, hand_over, plan, None, after, functools.partial(self._run_remote_load, remote_plan),
                 )
-                return transfer
+                return control.transfer
             self.index.pin(list(blocks), plan.pins, taking)
             self.metrics.started(plan)
-            self.start_load(transfer, hand_over, plan, after, per_tensor, expedited)
+            self.start_load(control, hand_over, plan, after, per_tensor, expedited)
         except BaseException:
-            self._interrupted(self.workers.load, hand_over, transfer, plan)
+            self._interrupted(self.workers.load, hand_over, control, plan)
             raise
-        return transfer
+        return control.transfer
 
     def _remote_keys(self, blocks: dict[Hashable, int], taking: list[Pin | None] | None) -> list[Hashable]:
         """The keys of ``blocks`` not stored here that the remote tier reported (:meth:`RemoteTier.lookup`)."""
@@ -482,7 +482,7 @@ class TieredStorage:
         return plan.result()
 
     def start_load(
-        self, transfer: Transfer, hand_over: HandOver, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False,
+        self, control: TransferControl, hand_over: HandOver, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False,
     ) -> None:
         """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed).
 
@@ -507,11 +507,11 @@ class TieredStorage:
             def enqueue(after: Any) -> Enqueued:
                 enqueued = load_worker.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after, hand_over)
                 # tensors after a failed submission get no event: they never land, their waiters get the error
-                transfer._track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
-                plan.reports_landings, plan.on_tensor = True, transfer._tensor_landed
+                control.track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
+                plan.reports_landings, plan.on_tensor = True, control.tensor_landed
                 return enqueued
 
-        self._start(load_worker, transfer, hand_over, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
+        self._start(load_worker, control, hand_over, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys being promoted, then the other disk-resident
