@@ -1,27 +1,111 @@
-"""`kvoffload bench` runs end to end on CPU tensors with tiny sizes and writes its JSON."""
+"""`kvoffload bench` runs end to end on CPU tensors with tiny sizes and writes its JSON; installed from
+a wheel, with no checkout around, it still has its seed-style baseline and its model harness."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvoffload.bench.command import cost_scenario
+from kvoffload.bench.remote_tier import redis_unavailable
+from kvoffload.bench.report import Report
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--gib", "0.01", "--disk-gib", "0.01", "--small", "200", "--busy-seconds", "0.3", "--engine-steps", "20",
+        "--layout", "4x2x16x8x128:bf16", "--ttft-tokens", "64"]
+
+
+def bench(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench", *TINY, *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 def test_bench_command_small(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench", "--gib", "0.01", "--disk-gib", "0.01", "--small", "200", "--busy-seconds", "0.3", "--engine-steps", "20",
-         "--layout", "4x2x16x8x128:bf16", "--disk-dir", str(tmp_path), "--ttft-tokens", "64", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # cost: kvoffload.bench.transfer_cost's scenario, tested on its own
+    proc = bench("--disk-dir", str(tmp_path), "--json", str(out), "--skip", "cost")
     assert "scenario" in proc.stdout and re.search(r"\[1/\d+ ", proc.stdout)  # progress, then the table
     data = json.loads(out.read_text())
-    names = {r["scenario"] for r in data["rows"]}
+    rows = {r["scenario"]: r for r in data["rows"]}
     assert {"host store, random ids", "store+load, another thread busy", "disk load (no host tier)", "one-block stores, all at once",
-            "one-block loads, 64 in flight", "engine step with offloading", "persistent disk load, verify=True",
-            "TTFT 64 tokens, host", "TTFT 64 tokens, disk"} <= names
+            "one-block loads, 64 in flight", "persistent disk load, verify=True", "TTFT 64 tokens, host", "TTFT 64 tokens, disk"} <= set(rows)
+    # the engine loop and the application thread: no offloading (or the loop alone), kvoffload and the baseline, in one run
+    for name in ("engine step, 3 ms of Python", "engine step, 10 ms of Python", "Python loop beside 5,000 one-block stores/s",
+                 "Python loop beside one-block stores, unpaced"):
+        assert rows[name]["ceiling"] > 0 and rows[name]["baseline"] > 0, name
+    if redis_unavailable() is None:
+        assert rows["TTFT 64 tokens, remote"]["ceiling"] == rows["TTFT 64 tokens, recompute"]["kvoffload"]
     for r in data["rows"]:
         assert r["kvoffload"] > 0
     assert list(tmp_path.iterdir()) == [out]  # the bench removed its disk files
+
+
+def test_skip_names_an_unknown_scenario():
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench", "--skip", "host,nosuch"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no scenario nosuch" in proc.stderr
+
+
+def test_cost_scenario_missing_or_failing_leaves_the_bench_running(monkeypatch, capsys):
+    rep = Report(2)
+    monkeypatch.setitem(sys.modules, "kvoffload.bench.transfer_cost", None)  # as if absent: the import fails
+    cost_scenario(rep, torch.device("cpu"))
+    assert "[1/2" in capsys.readouterr().out.split("transfer cost: skipped")[0]
+
+    def broken(rep: Report, dev: torch.device) -> None:
+        raise RuntimeError("no such figure")
+
+    monkeypatch.setitem(sys.modules, "kvoffload.bench.transfer_cost", types.SimpleNamespace(transfer_cost_scenarios=broken))
+    cost_scenario(rep, torch.device("cpu"))
+    assert "transfer cost: failed, no rows (RuntimeError: no such figure)" in capsys.readouterr().out
+    assert rep.rows == []
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of this tree, built offline from a copy of what the build reads."""
+    pytest.importorskip("setuptools", minversion="77")  # the build backend (pyproject's build-system; in the test extra)
+    tmp = tmp_path_factory.mktemp("wheel")
+    tree = tmp / "tree"
+    tree.mkdir()
+    for path in ROOT.iterdir():  # pyproject.toml, README.md, LICENSE, ...
+        if path.is_file():
+            shutil.copy(path, tree / path.name)
+    shutil.copytree(ROOT / "src" / "kvoffload", tree / "src" / "kvoffload", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                           "-w", str(tmp / "dist"), str(tree)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (built,) = (tmp / "dist").glob("kvoffload-*.whl")
+    return built
+
+
+def test_wheel_ships_the_baseline_and_the_model_harness(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"kvoffload/bench/__main__.py", "kvoffload/bench/seed_baseline.py", "kvoffload/bench/prefix_cache_model.py"} <= names
+
+
+def test_installed_bench_has_its_baseline_without_a_checkout(wheel, tmp_path):
+    site, work = tmp_path / "site", tmp_path / "work"
+    zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel, installed as pip would lay it out
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = work / "bench.json"
+    bench("--json", str(out), "--skip", "busy,cancel,disk,persist,remote,small,cost,engine,latency", cwd=work, env=env)
+    data = json.loads(out.read_text())
+    assert data["meta"]["baseline"].startswith(str(site))  # the wheel's, not this checkout's
+    rows = {r["scenario"]: r for r in data["rows"]}
+    assert rows["host store, random ids"]["baseline"] > 0
+    if importlib.util.find_spec("transformers") is not None:
+        assert rows["TTFT 64 tokens, host"]["kvoffload"] > 0  # the model harness came with the wheel

@@ -1,7 +1,8 @@
 """A transformers Llama given KV that went through kvoffload generates exactly what it would have generated.
 
 The model (seeded random weights, built from a config) and the paged prefix cache are those of
-examples/prefix_cache_transformers.py. A first request computes its whole prompt and stores its
+kvoffload.bench.prefix_cache_model (which examples/prefix_cache_transformers.py and the bench's
+time-to-first-token rows run). A first request computes its whole prompt and stores its
 blocks; a later request with the same prefix loads the hits and runs the rest. Its greedy tokens
 and every logit they were chosen from must equal, bit for bit, those of the same model continuing
 from the first request's cache, which never left the device. (The reference is that cache, not a
@@ -13,10 +14,7 @@ agreement to a tolerance.)
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,19 +25,8 @@ from conftest import NotingCancel
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "prefix_cache_transformers.py"
+from kvoffload.bench import prefix_cache_model as pc  # noqa: E402
 
-
-def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("prefix_cache_transformers", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pc = _load_example()
 BLOCK = pc.BLOCK_TOKENS
 STEPS = 8
 PREFIX_BLOCKS = 12
@@ -219,6 +206,17 @@ def test_measure_ttft_reports_every_case(model, tmp_path):
     assert not list(tmp_path.iterdir()), "the disk tier left a file behind"
 
 
+def test_measure_ttft_remote_case_loads_the_prompt_from_the_server(model, tmp_path):
+    from kvoffload.bench.remote_tier import redis_server, redis_unavailable
+
+    if redis_unavailable() is not None:
+        pytest.skip(redis_unavailable())
+    with redis_server() as url:
+        rows = pc.measure_ttft(model, [64], repeat=1, disk_dir=str(tmp_path), remote=url)
+    assert [r["case"] for r in rows] == ["recompute", "host", "disk", "90% hit", "remote"]
+    assert rows[-1]["loaded_tokens"] == (64 - 1) // BLOCK * BLOCK and rows[-1]["ttft_s"] > 0
+
+
 # -- the same on the GPU: Llama-3-8B's shape in bfloat16 ---------------------------------------
 
 
@@ -256,3 +254,4 @@ async def test_8b_bfloat16_generation_through_kvoffload_is_exact(model_8b, tmp_p
     hit = (len(first) // BLOCK) * BLOCK if tier == "partly stored" else 1024
     tokens = assert_same_generation(model, loaded, never_offloaded, later, hit)
     assert len(tokens) == STEPS
+

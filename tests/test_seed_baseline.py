@@ -1,21 +1,17 @@
-"""The benchmark's seed-style baseline (benchmarks/seed_baseline.py) moves the right bytes on CPU tensors."""
+"""The benchmark's seed-style baseline (kvoffload.bench.seed_baseline) moves the right bytes on CPU tensors."""
 
 from __future__ import annotations
 
 import os
 import stat
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from seed_baseline import DiskBaseline, HostBaseline  # noqa: E402
-
-from conftest import block_bytes, random_caches, same_bytes  # noqa: E402
+from conftest import block_bytes, random_caches, same_bytes
+from kvoffload.bench import seed_baseline
+from kvoffload.bench.seed_baseline import DiskBaseline, HostBaseline
 
 NUM_BLOCKS = 32
 
@@ -180,8 +176,6 @@ def test_disk_io_error_reaches_wait_and_thread_survives(tmp_path, monkeypatch):
             if calls["n"] == 2:
                 raise OSError(28, "No space left on device")
             return real(fd, bufs, off)
-
-        import seed_baseline
 
         monkeypatch.setattr(seed_baseline.os, "pwritev", failing)
         with pytest.raises(RuntimeError, match="No space"):

@@ -1,4 +1,5 @@
-"""Seams for tests: inject faults into an offloader's disk IO and copies. Not for production use.
+"""Seams for tests: inject faults into an offloader's disk IO and copies; the completion bridge
+``kvoffload bench`` times. Not for production use.
 
 Both functions return a live object whose attributes the offloader looks up at
 every call, so a test replaces an attribute to intercept every later call::
@@ -13,14 +14,17 @@ may change without notice.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
+from ._core.cuda.events import CompletionBridge, make_bridge
 from ._core.diskfile import IoCalls
 from ._core.hostmem import HostBuffer
-from ._core.copy_worker import CopyCalls
+from ._core.copy_submission import CopyCalls
 from ._core.offloader import Offloader
 
-__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "pinned_buffers", "check_index", "IoCalls", "CopyCalls"]
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "pinned_buffers", "check_index", "completion_bridge",
+           "IoCalls", "CopyCalls", "CompletionBridge"]
 
 
 def disk_io(off: Offloader) -> IoCalls | None:
@@ -69,3 +73,10 @@ def pinned_buffers(off: Offloader) -> list[HostBuffer]:
 def check_index(off: Offloader) -> None:
     """Assert every invariant of ``off``'s index: each slot free or owned once, states consistent."""
     off._running_storage().index.check()
+
+
+def completion_bridge(kind: str, loop: asyncio.AbstractEventLoop) -> CompletionBridge:
+    """The completion bridge an offloader with ``completion=kind`` ("thread" or "poll") runs, on ``loop``
+    (CUDA only): ``await bridge.watch(event)`` on ``loop`` resumes once the CUDA event has completed;
+    ``bridge.close()`` ends it. ``kvoffload bench`` times it against the bare cross-thread wake."""
+    return make_bridge(kind, loop, "kvoffload-bench-events")

@@ -121,7 +121,7 @@ class _BatchCopy:
         self._fail_idx = ctypes.c_size_t(0)
 
     @classmethod
-    def _resolve(cls):
+    def _resolve(cls) -> Any:
         with cls._resolve_lock:
             if cls._resolved is None:
                 from cuda.bindings import driver
@@ -215,8 +215,8 @@ class _Base:
         self._events_lock = threading.Lock()  # between callers removing entries
         self._ids = itertools.count()
         self._ids_lock = threading.Lock()
-        self._store_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._load_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._store_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closed = False
         if self.is_cuda:
@@ -232,7 +232,7 @@ class _Base:
             t.start()
             self._threads.append(t)
 
-    def _submit(self, q: queue.SimpleQueue, arr: np.ndarray) -> int:
+    def _submit(self, q: queue.SimpleQueue[Any], arr: np.ndarray) -> int:
         if self._closed:
             raise RuntimeError("baseline is closed")
         with self._ids_lock:
@@ -245,11 +245,11 @@ class _Base:
         q.put((job_id, arr, after))
         return job_id
 
-    def _thread_main(self, direction: str, q: queue.SimpleQueue) -> None:
+    def _thread_main(self, direction: str, q: queue.SimpleQueue[Any]) -> None:
         if self.is_cuda:
             _bind_device(self.device)
             stream = self._store_stream if direction == "store" else self._load_stream
-            ctx = torch.cuda.stream(stream)
+            ctx: Any = torch.cuda.stream(stream)
             batch = _BatchCopy()
         else:
             # One OpenMP team per worker thread contends for the cores; the library's
@@ -269,6 +269,7 @@ class _Base:
                     if stream is not None:
                         stream.wait_event(after)
                     run(arr, stream, batch)
+                    event: Any
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
@@ -336,7 +337,7 @@ class _Base:
             self._load_stream.synchronize()
         return True
 
-    def __enter__(self):
+    def __enter__(self) -> _Base:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -377,7 +378,8 @@ class HostBaseline(_Base):
         """Queue copies of host block -> cache block for each ``(host_block, gpu_block)``; returns the job id."""
         return self._submit(self._load_q, _check_pairs(pairs, self.host_blocks, self.layout.num_blocks, ("host block", "gpu block")))
 
-    def _descriptors(self, dst_base, dst_ids, src_base, src_ids):
+    def _descriptors(self, dst_base: np.ndarray, dst_ids: np.ndarray, src_base: np.ndarray,
+                     src_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One copy per (tensor, block): flat uint64 dst, src and size arrays."""
         piece = self._piece[:, None]
         dsts = dst_base[:, None] + dst_ids.astype(np.uint64)[None, :] * piece
@@ -385,7 +387,7 @@ class HostBaseline(_Base):
         sizes = np.broadcast_to(piece, dsts.shape)
         return dsts.ravel(), srcs.ravel(), np.ascontiguousarray(sizes).ravel()
 
-    def _run_store(self, arr, stream, batch) -> None:
+    def _run_store(self, arr: np.ndarray, stream: torch.cuda.Stream | None, batch: Any) -> None:
         gpu, host = arr[:, 0], arr[:, 1]
         if stream is not None:
             batch(*self._descriptors(self._host_base, host, self._cache_base, gpu), stream)
@@ -395,7 +397,7 @@ class HostBaseline(_Base):
             for g, h in zip(gpu.tolist(), host.tolist()):
                 dst[h].copy_(src[g])
 
-    def _run_load(self, arr, stream, batch) -> None:
+    def _run_load(self, arr: np.ndarray, stream: torch.cuda.Stream | None, batch: Any) -> None:
         host, gpu = arr[:, 0], arr[:, 1]
         if stream is not None:
             batch(*self._descriptors(self._cache_base, gpu, self._host_base, host), stream)
@@ -456,7 +458,8 @@ class DiskBaseline(_Base):
                 self._bounce_owner[direction] = owner
                 self._bounce[direction] = view
             self._bounce_views = {  # one Python buffer per bounce slot, for the IO calls
-                d: [memoryview(v[s * self.slot_bytes : (s + 1) * self.slot_bytes].numpy()) for s in range(2)] for d, v in self._bounce.items()
+                d: [memoryview(v[s * self.slot_bytes : (s + 1) * self.slot_bytes].numpy()) for s in range(2)]  # type: ignore[arg-type]
+                for d, v in self._bounce.items()
             }
             self._rows = self.layout.block_rows(self.kv_caches)  # uint8 [num_blocks, piece] per tensor
             self._offset = np.array([p.offset for p in self.layout.pieces], dtype=np.uint64)
@@ -537,7 +540,7 @@ class DiskBaseline(_Base):
 
     # -- one block between the cache and a bounce slot
 
-    def _to_bounce(self, block: int, bounce_slot: int, stream, batch):
+    def _to_bounce(self, block: int, bounce_slot: int, stream: torch.cuda.Stream | None, batch: Any) -> Any:
         """Copy cache block -> store bounce slot; returns the event to synchronize (or None)."""
         buf = self._bounce["store"]
         base = bounce_slot * self.slot_bytes
@@ -552,7 +555,7 @@ class DiskBaseline(_Base):
         ev.record(stream)
         return ev
 
-    def _from_bounce(self, bounce_slot: int, block: int, stream, batch):
+    def _from_bounce(self, bounce_slot: int, block: int, stream: torch.cuda.Stream | None, batch: Any) -> Any:
         """Copy load bounce slot -> cache block; returns the event to synchronize (or None)."""
         buf = self._bounce["load"]
         base = bounce_slot * self.slot_bytes
@@ -567,12 +570,12 @@ class DiskBaseline(_Base):
         ev.record(stream)
         return ev
 
-    def _run_store(self, arr, stream, batch) -> None:
+    def _run_store(self, arr: np.ndarray, stream: torch.cuda.Stream | None, batch: Any) -> None:
         # pending[s]: (DMA event or None, file offset) of the block staged in bounce slot s
         pending: list[tuple[Any, int] | None] = [None, None]
 
         def flush(s: int) -> None:
-            ev, offset = pending[s]
+            ev, offset = pending[s]  # type: ignore[misc]  # flushed only where a block is staged
             if ev is not None:
                 ev.synchronize()
             self._write_slot(s, offset)
@@ -588,7 +591,7 @@ class DiskBaseline(_Base):
             if pending[s] is not None:
                 flush(s)
 
-    def _run_load(self, arr, stream, batch) -> None:
+    def _run_load(self, arr: np.ndarray, stream: torch.cuda.Stream | None, batch: Any) -> None:
         dma: list[Any] = [None, None]  # the copy still reading bounce slot s
         for i, (slot, block) in enumerate(arr.tolist()):
             s = i % 2

@@ -1,0 +1,139 @@
+"""Python busy beside transfers: bulk store+load GB/s with another thread or the calling thread busy
+in Python against all idle; an application thread's Python loop beside one-block stores driven from
+another thread against the loop alone, kvoffload and the seed-style baseline driving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kvoffload import Offloader
+
+from .cache_layout import Layout
+from .measure import frozen_heap, python_work, rate_beside, rounds_gbps
+from .report import Report
+
+__all__ = ["app_thread_scenario", "busy_caller_scenarios"]
+
+
+def busy_caller_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, seconds: float = 2.0) -> None:
+    """Bulk store+load GB/s while the process's Python is busy, against the same with it idle.
+
+    *another thread busy*: a pure-Python loop runs on the main thread while a second thread drives
+    round trips (store, load, discard). *caller busy*: the thread that calls ``store()``/``load()``
+    runs the Python loop until each transfer is done. The baseline runs the first variant.
+    """
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    rep.begin(f"busy caller: {nbytes / 2**30:.2f} GiB store+load round trips, Python busy vs idle")
+    caches = lay.cache(2 * n, dev)
+    ids = torch.randperm(2 * n).tolist()[:n]
+    alone = python_work(min(seconds, 1.0))
+    with Offloader(caches, host_blocks=n) as off:
+
+        def kvo_round() -> int:
+            off.store({i: ids[i] for i in range(n)}).result()
+            off.load({i: 2 * n - 1 - i for i in range(n)}).result()
+            off.discard(range(n))
+            return 2 * nbytes
+
+        def kvo_round_busy_caller() -> int:
+            store = off.store({i: ids[i] for i in range(n)})
+            python_work(60.0, until=store.done)
+            store.result()
+            load = off.load({i: 2 * n - 1 - i for i in range(n)})
+            python_work(60.0, until=load.done)
+            load.result()
+            off.discard(range(n))
+            return 2 * nbytes
+
+        idle, _ = rounds_gbps(kvo_round, seconds, busy_other=False)
+        busy, rate = rounds_gbps(kvo_round, seconds, busy_other=True)
+        caller, _ = rounds_gbps(kvo_round_busy_caller, seconds, busy_other=False)
+    hbase = base.HostBaseline(caches, n)
+    try:
+
+        def base_round() -> int:
+            hbase.wait(hbase.store([(ids[i], i) for i in range(n)]))
+            hbase.wait(hbase.load([(i, 2 * n - 1 - i) for i in range(n)]))
+            return 2 * nbytes
+
+        b_idle, _ = rounds_gbps(base_round, seconds, busy_other=False)
+        b_busy, _ = rounds_gbps(base_round, seconds, busy_other=True)
+    finally:
+        hbase.close()
+    rep.extra["busy_caller"] = {"idle": idle, "other_busy": busy, "caller_busy": caller, "baseline_idle": b_idle,
+                                "baseline_other_busy": b_busy, "python_alone_its": alone, "python_beside_kvoffload_its": rate}
+    rep.row("store+load, all threads idle", "GB/s", idle, None, b_idle)
+    rep.row("store+load, another thread busy", "GB/s", busy, idle, b_busy,
+            note=f"ceiling = idle; the busy loop ran at {rate / alone:.2f} of alone")
+    rep.row("store+load, calling thread busy", "GB/s", caller, idle, None, note="ceiling = idle")
+
+
+
+def paced_stores(issue: Callable[[int, int], None], per_s: float | None, burst: int = 16) -> Callable[[], int]:
+    """A driver step for :func:`rate_beside`: each call issues the one-block stores due by now at
+    ``per_s`` a second (all of them, at most ``burst``; ``burst`` every call with no rate) by
+    ``issue(first, count)``, which returns once they are done, and returns ``count``; it sleeps
+    until the next store is due when none is."""
+    issued = 0
+    start: float | None = None
+
+    def step() -> int:
+        nonlocal issued, start
+        now = time.perf_counter()
+        if start is None:
+            start = now
+        count = burst if per_s is None else min(burst, int((now - start) * per_s) + 1 - issued)
+        if count <= 0:
+            assert per_s is not None
+            time.sleep(start + issued / per_s - now)
+            return 0
+        issue(issued, count)
+        issued += count
+        return count
+
+    return step
+
+
+def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: ModuleType, seconds: float = 2.0,
+                        per_s: float = 5000.0, slots: int = 64) -> None:
+    """An application's own Python (a pure-Python loop on the main thread) while another thread drives
+    one-block stores, each waited for and then discarded, paced at ``per_s`` a second and unpaced:
+    the loop's speed against the loop alone (the ceiling), with kvoffload driving and with the
+    seed-style baseline driving; the stores each achieved are in the note."""
+    rep.begin(f"application thread: a Python loop beside one-block stores ({lay.block_bytes >> 10} KiB) "
+              f"from another thread, {per_s:,.0f}/s and unpaced, vs the loop alone")
+    caches = lay.cache(slots, dev)
+
+    with frozen_heap(), Offloader(caches, host_blocks=slots) as off:
+
+        def kvoffload_stores(first: int, count: int) -> None:
+            keys = range(first, first + count)
+            for t in [off.store({k: k % slots}) for k in keys]:
+                t.result()
+            off.discard(keys)
+
+        hbase = base.HostBaseline(caches, slots)
+
+        def baseline_stores(first: int, count: int) -> None:
+            for job in [hbase.store([(k % slots, k % slots)]) for k in range(first, first + count)]:
+                hbase.wait(job)
+
+        try:
+            for pace in (per_s, None):
+                alone = python_work(seconds)
+                kvo_stores, kvo_loop = rate_beside(paced_stores(kvoffload_stores, pace), seconds, busy_other=True)
+                b_stores, b_loop = rate_beside(paced_stores(baseline_stores, pace), seconds, busy_other=True)
+                label = f"{pace:,.0f} one-block stores/s" if pace else "one-block stores, unpaced"
+                rep.extra[f"app_thread_{'paced' if pace else 'unpaced'}"] = {
+                    "loop_alone_its": alone, "loop_beside_kvoffload_its": kvo_loop, "kvoffload_stores_per_s": kvo_stores,
+                    "loop_beside_baseline_its": b_loop, "baseline_stores_per_s": b_stores,
+                }
+                rep.row(f"Python loop beside {label}", "it/s", kvo_loop, alone, b_loop,
+                        note=f"ceiling = the loop alone; stores/s done: kvoffload {kvo_stores:,.0f}, baseline {b_stores:,.0f}")
+        finally:
+            hbase.close()

@@ -1,0 +1,178 @@
+"""``kvoffload bench``: kvoffload beside the ceiling and the seed-style baseline, in one run.
+
+Every scenario runs the ceiling (what the hardware does with one large copy, or raw multi-threaded
+O_DIRECT IO), the seed-style baseline (``kvoffload.bench.seed_baseline``: a background thread per
+direction fed by a queue, one descriptor per layer per block, completion by polling a shared list
+of events; disk one block at a time) and kvoffload, on the same data, and reports GB/s and ratios.
+On a machine without CUDA the scenarios that need no GPU run on CPU tensors.
+
+Usage: ``kvoffload bench [--gib 2] [--layout 32x2x16x8x128:bf16] [--skip host,disk] [--json out.json] [--plot out.png]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from . import seed_baseline
+from .busy_caller import app_thread_scenario, busy_caller_scenarios
+from .cache_layout import Layout
+from .disk_tier import disk_scenarios, persistence_scenarios
+from .engine_loop import engine_loop_scenario
+from .host_tier import host_scenarios
+from .latency import latency_scenarios
+from .layouts import layout_scenarios
+from .load_timing import cancel_scenario, expedited_scenario, first_layer_scenario
+from .measure import frozen_heap
+from .remote_tier import remote_scenarios
+from .report import Report, plot
+from .small_transfers import small_transfers
+from .ttft import ttft_scenarios
+from .under_compute import under_compute_scenarios
+
+__all__ = ["SCENARIOS", "Run", "main"]
+
+GPU_ONLY = {"layouts", "layers", "expedited", "compute"}
+"""Scenarios that need a CUDA device (skipped without one)."""
+
+
+def load_baseline(path: str | None) -> ModuleType:
+    """The seed-style baseline: the one shipped in this package, or the file ``path`` (an override)."""
+    if path is None:
+        return seed_baseline
+    spec = importlib.util.spec_from_file_location("seed_baseline", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # the module's own classes look themselves up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cost_scenario(rep: Report, dev: torch.device) -> None:
+    """The ``cost`` scenario, ``kvoffload.bench.transfer_cost.transfer_cost_scenarios(rep, dev)``; a
+    printed reason instead where that module is missing or fails, and the bench goes on."""
+    what = "transfer cost"
+    try:
+        run: Callable[[Report, torch.device], Any] = importlib.import_module(f"{__package__}.transfer_cost").transfer_cost_scenarios
+    except Exception as e:  # absent, or broken: the other scenarios still run
+        rep.skip(what, f"kvoffload.bench.transfer_cost unavailable: {type(e).__name__}: {e}")
+        return
+    try:
+        run(rep, dev)
+    except Exception as e:
+        print(f"    {what}: failed, no rows ({type(e).__name__}: {e})", flush=True)
+
+
+@dataclass
+class Run:
+    """What the scenarios of one run are given: its options, report, layout, device and baseline."""
+
+    args: argparse.Namespace
+    rep: Report
+    lay: Layout
+    dev: torch.device
+    base: ModuleType
+
+    @property
+    def cuda(self) -> bool:
+        """True on a GPU."""
+        return self.dev.type == "cuda"
+
+    @property
+    def gib(self) -> float:
+        """Bytes per host transfer, in GiB."""
+        return float(self.args.gib or (2.0 if self.cuda else 0.25))
+
+    @property
+    def disk_gib(self) -> float:
+        """Bytes per disk transfer, in GiB."""
+        return float(self.args.disk_gib or (2.0 if self.cuda else 0.25))
+
+    @property
+    def ttft_lengths(self) -> list[int]:
+        """Prompt lengths of the time-to-first-token rows."""
+        if self.args.ttft_tokens:
+            return [int(x) for x in self.args.ttft_tokens.split(",")]
+        return [4096, 16384, 32768] if self.cuda else [256, 1024]
+
+
+def _latency(run: Run) -> None:
+    with frozen_heap():
+        latency_scenarios(run.rep, run.dev)
+
+
+SCENARIOS: dict[str, tuple[Callable[[Run], None], ...]] = {
+    "host": (lambda r: host_scenarios(r.rep, r.lay, r.gib, r.dev, r.base),),
+    "busy": (lambda r: busy_caller_scenarios(r.rep, r.lay, min(r.gib, 0.5), r.dev, r.base, r.args.busy_seconds),
+             lambda r: app_thread_scenario(r.rep, r.lay, r.dev, r.base, r.args.busy_seconds)),
+    "layouts": (lambda r: layout_scenarios(r.rep, min(r.gib, 1.0), r.dev, r.base),),
+    "layers": (lambda r: first_layer_scenario(r.rep, r.lay, min(r.gib, 1.0), r.dev),),
+    "expedited": (lambda r: expedited_scenario(r.rep, r.lay, min(r.gib, 1.0), r.dev),),
+    "cancel": (lambda r: cancel_scenario(r.rep, r.lay, 4.0 if r.cuda else min(r.gib, 0.25), r.dev),),
+    "compute": (lambda r: under_compute_scenarios(r.rep, r.lay, min(r.gib, 0.5), r.dev, r.args.busy_seconds),),
+    "disk": (lambda r: disk_scenarios(r.rep, r.lay, r.disk_gib, r.dev, r.base, r.args.disk_dir, r.args.io_threads),),
+    "persist": (lambda r: persistence_scenarios(r.rep, r.lay, r.disk_gib, r.dev, r.args.disk_dir, r.args.io_threads),),
+    "remote": (lambda r: remote_scenarios(r.rep, r.lay, min(r.gib, 1.0), r.dev),),
+    "ttft": (lambda r: ttft_scenarios(r.rep, r.dev, r.ttft_lengths, r.args.disk_dir),),
+    "small": (lambda r: small_transfers(r.rep, r.dev, r.base, r.args.small),),
+    "cost": (lambda r: cost_scenario(r.rep, r.dev),),
+    "engine": (lambda r: engine_loop_scenario(r.rep, r.lay, min(r.gib, 0.25), r.dev, r.base, r.args.engine_steps),),
+    "latency": (_latency,),
+}
+"""Each scenario's name (for ``--skip``) -> its steps (one progress line each), in the order they run."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark: progress while it runs, a table at the end, optional JSON and PNG."""
+    p = argparse.ArgumentParser(prog="kvoffload bench", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=None, help="bytes per host transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--disk-gib", type=float, default=None, help="bytes per disk transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--layout", default="32x2x16x8x128:bf16", help="LAYERSxBLOCK_SHAPE:dtype (default: 64 KiB per layer per block)")
+    p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--ttft-tokens", default=None, help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
+    p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
+    p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
+    p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
+    p.add_argument("--skip", default="", help=f"comma-separated: {','.join(SCENARIOS)} ({', '.join(sorted(GPU_ONLY))} need a GPU)")
+    p.add_argument("--baseline", default=None, help="path of a seed_baseline.py to use instead of kvoffload.bench.seed_baseline")
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib")
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(SCENARIOS):
+        p.error(f"--skip: no scenario {', '.join(sorted(skip - set(SCENARIOS)))} (there are {','.join(SCENARIOS)})")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    lay = Layout(args.layout)
+    base = load_baseline(args.baseline)
+    todo = [step for name, steps in SCENARIOS.items() if name not in skip | (set() if cuda else GPU_ONLY) for step in steps]
+    run = Run(args, Report(len(todo)), lay, dev, base)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
+            "cpus": os.cpu_count(), "layout": lay.spec, "block_bytes": lay.block_bytes, "baseline": base.__file__}
+    print("kvoffload bench:", json.dumps(meta), flush=True)
+    for step in todo:
+        step(run)
+    rep = run.rep
+    print("\n" + rep.table(), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rep.rows, "extra": rep.extra}, f, indent=1)
+    if args.plot:
+        plot(rep, args.plot)
+    return 0

@@ -1,0 +1,171 @@
+"""A synthetic serving loop: step time with no offloading (the ceiling), with kvoffload and with the
+seed-style baseline, in the same run, for two lengths of the step's own Python."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from types import ModuleType
+
+import torch
+
+from kvoffload import Offloader
+
+from .cache_layout import Layout
+from .measure import frozen_heap, python_work
+from .report import Report
+
+__all__ = ["engine_loop_scenario"]
+
+HITS, NEW = 8, 4
+"""Blocks a step loads (the next step's prefix hits) and stores (its new blocks)."""
+
+
+class StepOffload(Protocol):
+    """What a step asks of an offloading system: start the next step's prefix loads and this step's
+    stores, and wait for either."""
+
+    def load_hits(self, step: int) -> Any:
+        """Start loading step ``step + 1``'s prefix hits; a handle for :meth:`wait`."""
+
+    def store_new(self, step: int) -> Any:
+        """Start storing step ``step``'s new blocks, after its GPU work; a handle for :meth:`wait`."""
+
+    async def wait(self, handle: Any) -> None:
+        """Until the transfer ``handle`` (None: none yet) has ended."""
+
+
+class NoOffload:
+    """No offloading: the step as it runs without any (the ceiling)."""
+
+    def load_hits(self, step: int) -> Any:
+        return None
+
+    def store_new(self, step: int) -> Any:
+        return None
+
+    async def wait(self, handle: Any) -> None:
+        pass
+
+
+class KvoffloadSteps:
+    """kvoffload: the prefix hits are keys ``("p", j)``; each step stores keys ``("s", step, j)``."""
+
+    def __init__(self, off: Offloader, cache_blocks: int) -> None:
+        self.off, self.cache_blocks = off, cache_blocks
+
+    def load_hits(self, step: int) -> Any:
+        half = HITS * ((step + 1) % 2)  # hits load into blocks [0, 2 * HITS), alternating halves
+        return self.off.load({("p", j): half + j for j in range(HITS)})
+
+    def store_new(self, step: int) -> Any:
+        return self.off.store({("s", step, j): _new_block(step, j, self.cache_blocks) for j in range(NEW)})
+
+    async def wait(self, handle: Any) -> None:
+        if handle is not None:
+            await handle
+
+    def forget(self, steps: int) -> None:
+        """Discard a run's stored blocks, so that the next run stores them again."""
+        self.off.discard([("s", s, j) for s in range(steps) for j in range(NEW)])
+
+
+class BaselineSteps:
+    """The seed-style baseline: the prefix hits are host blocks ``[0, HITS)``; stores take the host
+    blocks after them in turn. Waiting polls, as the baseline's callers do."""
+
+    def __init__(self, baseline: Any, cache_blocks: int, host_blocks: int) -> None:
+        self.baseline, self.cache_blocks, self.host_blocks = baseline, cache_blocks, host_blocks
+
+    def load_hits(self, step: int) -> Any:
+        half = HITS * ((step + 1) % 2)
+        return self.baseline.load([(j, half + j) for j in range(HITS)])
+
+    def store_new(self, step: int) -> Any:
+        return self.baseline.store([(_new_block(step, j, self.cache_blocks), HITS + (step * NEW + j) % (self.host_blocks - HITS))
+                                for j in range(NEW)])
+
+    async def wait(self, handle: Any) -> None:
+        if handle is not None:
+            self.baseline.wait(handle)
+
+
+def _new_block(step: int, j: int, cache_blocks: int) -> int:
+    """The cache block of step ``step``'s ``j``-th new block: after the hit blocks, in turn."""
+    return 2 * HITS + (step * NEW + j) % (cache_blocks - 2 * HITS)
+
+
+def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, steps: int = 150,
+                         python_ms: tuple[float, ...] = (3.0, 10.0), rounds: int = 3) -> None:
+    """A synthetic serving step with no offloading, with kvoffload, and with the seed-style baseline.
+
+    Each step runs GPU work on the caller's stream (four bf16 4096x4096 matmuls; on CPU, none) and
+    ``python_ms`` of Python (scheduling, input preparation), as an engine does; meanwhile the next
+    step's prefix hits (8 blocks) load, and this step's 4 new blocks store once its GPU work is done
+    (ordered after it on the caller's stream). The step waits for the loads it needs and for the
+    previous step's stores, never for copies it could overlap. The three run interleaved ``rounds``
+    times per Python length; the fastest run of each counts.
+    """
+    rep.begin(f"engine loop: {steps} steps of {' or '.join(f'{ms:g}' for ms in python_ms)} ms Python + GPU work, "
+              f"{HITS}-block loads and {NEW}-block stores; none, kvoffload, baseline")
+    cache_blocks = max(lay.blocks_for(gib), 2 * HITS + NEW * steps)
+    host_blocks = HITS + NEW * steps + 8
+    caches = lay.cache(cache_blocks, dev)
+    cuda = dev.type == "cuda"
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) if cuda else None
+
+    def gpu_work() -> None:
+        if a is not None:
+            for _ in range(4):
+                a @ a
+
+    async def run(offload: StepOffload, ms: float) -> float:
+        """Seconds per step of one run of ``steps`` steps."""
+        stores: Any = None
+        loading: Any = None
+        t0 = time.perf_counter()
+        for step in range(steps):
+            await offload.wait(loading)  # this step's prefix is in place
+            gpu_work()
+            loading = offload.load_hits(step)
+            python_work(ms / 1e3)
+            await offload.wait(stores)  # the previous step's
+            stores = offload.store_new(step)
+            if cuda:  # the step's end: its own stream done (a device-wide sync would wait for the copies too)
+                torch.cuda.current_stream(dev).synchronize()
+        await offload.wait(stores)
+        await offload.wait(loading)
+        return (time.perf_counter() - t0) / steps
+
+    async def measure() -> dict[float, dict[str, float]]:
+        best: dict[float, dict[str, float]] = {ms: {} for ms in python_ms}
+        async with Offloader(caches, host_blocks=host_blocks) as off:
+            await off.store({("p", j): j for j in range(HITS)})
+            kvo = KvoffloadSteps(off, cache_blocks)
+            hb = base.HostBaseline(caches, host_blocks)
+            try:
+                hb.wait(hb.store([(j, j) for j in range(HITS)]))
+                variants: dict[str, StepOffload] = {"bare": NoOffload(), "kvoffload": kvo,
+                                                    "baseline": BaselineSteps(hb, cache_blocks, host_blocks)}
+                for offload in variants.values():  # warm up
+                    await run(offload, python_ms[0])
+                    kvo.forget(steps)
+                for ms in python_ms:
+                    for _ in range(rounds):
+                        for name, offload in variants.items():
+                            seconds = await run(offload, ms)
+                            kvo.forget(steps)
+                            best[ms][name] = min(best[ms].get(name, float("inf")), seconds)
+            finally:
+                hb.close()
+        return best
+
+    with frozen_heap():
+        best = asyncio.run(measure())
+    rep.extra["engine_loop"] = {f"{ms:g}ms": {f"{k}_ms": v * 1e3 for k, v in b.items()} for ms, b in best.items()}
+    for ms, b in best.items():
+        inflation = {k: f"{100 * (v / b['bare'] - 1):+.1f}%" for k, v in b.items() if k != "bare"}
+        rep.row(f"engine step, {ms:g} ms of Python", "ms", b["kvoffload"] * 1e3, b["bare"] * 1e3, b["baseline"] * 1e3,
+                note="ceiling = no offloading; step-time inflation " + ", ".join(f"{k} {v}" for k, v in inflation.items()))

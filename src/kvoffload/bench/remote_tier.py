@@ -1,0 +1,129 @@
+"""The remote tier on a redis-server on loopback, beside redis-py's own pipelined SET and GET; the
+server the remote rows (here and in the time-to-first-token scenario) run against."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+
+from kvoffload import Offloader
+
+from .cache_layout import Layout
+from .report import Report
+
+__all__ = ["redis_server", "redis_unavailable", "remote_scenarios"]
+
+
+def redis_unavailable() -> str | None:
+    """Why no remote row can run here (no ``redis-server`` on PATH, no redis-py), or None."""
+    if shutil.which("redis-server") is None:
+        return "no redis-server on PATH"
+    if importlib.util.find_spec("redis") is None:
+        return "needs redis-py: pip install 'kvoffload[redis]'"
+    return None
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A redis-server started on a free loopback port, with no persistence, answering PING; yields
+    its URL (``redis://127.0.0.1:PORT/0``) and stops it (its directory removed) on exit. Check
+    :func:`redis_unavailable` first."""
+    import redis
+
+    server = shutil.which("redis-server")
+    assert server is not None, redis_unavailable()
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-redis-")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        with redis.Redis(port=port) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise
+                    time.sleep(0.01)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, rounds: int = 3) -> None:
+    """The remote tier on a redis-server on loopback (started here if one is on PATH, else skipped):
+    a store's background write-through until every block is on the server, and ``alookup`` + ``load``
+    of those blocks into another offloader, beside redis-py's own pipelined SET and GET of the same
+    bytes (one value per block, windows of 4 MiB) in the same run."""
+    n = lay.blocks_for(gib)
+    nbytes = n * lay.block_bytes
+    what = f"remote tier: {nbytes / 2**30:.2f} GiB per transfer to a redis-server on loopback, ceiling = redis-py pipelined SET/GET"
+    reason = redis_unavailable()
+    if reason is not None:
+        rep.skip(what, reason)
+        return
+    import redis
+
+    rep.begin(what)
+    with redis_server() as url, redis.Redis.from_url(url) as raw:
+        figures: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get")}
+        caches = lay.cache(n, dev)
+        slab = bytearray(os.urandom(lay.block_bytes))
+        values = [bytes(slab) for _ in range(n)]
+        window = max(1, (4 << 20) // lay.block_bytes)
+        with Offloader(caches, host_blocks=n, remote=url) as writer, Offloader(lay.cache(n, dev), host_blocks=n, remote=url) as reader:
+            for r in range(rounds):
+                keys = [f"bench-{r}-{i}" for i in range(n)]
+                t0 = time.perf_counter()
+                writer.store({k: i for i, k in enumerate(keys)}).result()
+                while writer.stats().remote_writes_pending:
+                    time.sleep(0.001)
+                figures["store"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+                async def fetch() -> None:
+                    assert await reader.alookup(keys) == n
+                    await reader.load({k: i for i, k in enumerate(keys)})
+
+                t0 = time.perf_counter()
+                asyncio.run(fetch())
+                figures["load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                reader.discard(keys)
+                writer.discard(keys)
+                raw.flushall()
+                t0 = time.perf_counter()
+                for first in range(0, n, window):
+                    pipe = raw.pipeline(transaction=False)
+                    for i in range(first, min(n, first + window)):
+                        pipe.set(f"raw-{i}", values[i])
+                    pipe.execute()
+                figures["set"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                for first in range(0, n, window):
+                    pipe = raw.pipeline(transaction=False)
+                    for i in range(first, min(n, first + window)):
+                        pipe.get(f"raw-{i}")
+                    pipe.execute()
+                figures["get"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                raw.flushall()
+    best = {k: max(v) for k, v in figures.items()}
+    rep.row("remote store (background write-through)", "GB/s", best["store"], best["set"], None,
+            note="from store() until every block is on the server")
+    rep.row("remote load (alookup + load)", "GB/s", best["load"], best["get"], None)
