@@ -60,6 +60,15 @@ def test_options_are_frozen_and_hold_the_given_values(caches, tmp_path):
     assert defaults == kvoffload.Options() and defaults.disk_path is None
 
 
+def test_offloader_takes_every_option_with_its_options_default():
+    """``Offloader(kv_caches, **options)`` takes every ``Options`` field as a keyword, and leaving one
+    out means the default ``Options`` documents: the two never drift apart."""
+    params = inspect.signature(kvoffload.Offloader).parameters
+    keywords = {name: p.default for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "num_blocks"}
+    fields = {f.name: f.default for f in dataclasses.fields(kvoffload.Options)}
+    assert keywords == fields
+
+
 def test_layout_geometry(caches):
     layout = kvoffload.BlockLayout.of(caches)
     assert layout.num_blocks == 64
@@ -175,3 +184,21 @@ def test_kvoffload_works_without_the_optional_redis_py():
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_stats_after_close_keep_every_counter_and_report_no_slot_in_use(make_offloader, caches, tmp_path):
+    """``close()`` ends slot use (free, ready, pending, pinned, ... read 0) and keeps every counter as it was."""
+    off = make_offloader(caches, host_blocks=2, disk_path=str(tmp_path / "kv"), disk_blocks=4)
+    for key in range(8):  # the last two in host memory, four spilled to disk, two evicted
+        off.store({key: key}).result(10)
+    off.load({2: 40}).result(10)  # from disk
+    live = off.stats()
+    assert (live.ready, live.evicted, live.keys_loaded_from_disk) == (6, 2, 1)
+    assert live.spilled and live.disk_bytes_written and live.disk_bytes_read
+    off.close()
+    closed = off.stats()
+    in_use = {"host_free", "disk_free", "ready", "host_ready", "disk_ready", "pending", "host_pending", "disk_pending",
+              "pinned", "spilling", "disk_clean", "in_flight", "gpu_staging_bytes"}
+    for f in dataclasses.fields(closed):
+        if f.name != "latency":
+            assert getattr(closed, f.name) == (0 if f.name in in_use else getattr(live, f.name)), f.name

@@ -180,22 +180,22 @@ class _Steps:
 def _worker_with_flag(flag: StandInFlag):
     import torch
 
-    from kvoffload._core.copy_worker import CopyCalls, CopyRequest, CopyWorker, HandOver, QuickJob
-    from kvoffload._core.cuda.events import make_bridge
+    from kvoffload._core.copy_submission import CopyCalls, CopyRequest, HandOver
+    from kvoffload._core.host_copy_jobs import HostCopyJob
+    from kvoffload._core.runtime import start_copy_worker
     from kvoffload._core.transfer import TransferControl
-    from kvoffload._core.worker_loop import WorkerLoop
 
-    loop = WorkerLoop("kvoffload-test-load")
     copier = StandInCopier(flag)
-    worker = CopyWorker("load", loop, copier, make_bridge("poll", loop.loop, "kvoffload-test-events"), CopyCalls())
+    worker = start_copy_worker("load", "kvoffload-test-load", copier, CopyCalls(), completion="poll")
+    loop = worker.loop
     host = torch.zeros((12, 16), dtype=torch.uint8)
     requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
     steps = _Steps()
     control = TransferControl("load")
     transfer = control.transfer
     hand_over = HandOver()
-    enqueued = worker.enqueue(requests, None, hand_over)
-    worker.start_quick(QuickJob(control, hand_over, steps, lambda *a: None, enqueued=enqueued))
+    enqueued = worker.submitter.enqueue(requests, None, hand_over)
+    worker.host_jobs.start(HostCopyJob(control, hand_over, steps, lambda *a: None, copies=enqueued))
     return loop, copier, steps, transfer
 
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import kvoffload
-import kvoffload._core.copy_worker
+import kvoffload._core.copy_submission
 from conftest import HANG_S, StandInCopier, StandInEvent, StandInFlag, spin_until
 
 
@@ -45,13 +45,12 @@ class _Rig:
     """A worker loop with the stand-in copier; :meth:`hold` keeps its thread busy until released."""
 
     def __init__(self) -> None:
-        from kvoffload._core.copy_worker import CopyCalls, CopyWorker
-        from kvoffload._core.cuda.events import make_bridge
-        from kvoffload._core.worker_loop import WorkerLoop
+        from kvoffload._core.copy_submission import CopyCalls
+        from kvoffload._core.runtime import start_copy_worker
 
-        self.loop = WorkerLoop("kvoffload-test-worker")
         self.copier = StandInCopier(StandInFlag(raise_lands_at_once=True))
-        self.worker = CopyWorker("load", self.loop, self.copier, make_bridge("poll", self.loop.loop, "kvoffload-test-events"), CopyCalls())
+        self.worker = start_copy_worker("load", "kvoffload-test-worker", self.copier, CopyCalls(), completion="poll")
+        self.loop = self.worker.loop
         self._release = threading.Event()
 
     def hold(self) -> None:
@@ -73,13 +72,14 @@ class _Rig:
         """Copies of ``chunks`` chunks of 4 blocks into the cache."""
         import torch
 
-        from kvoffload._core.copy_worker import CopyRequest
+        from kvoffload._core.copy_submission import CopyRequest
 
         host = torch.zeros((4 * chunks, 16), dtype=torch.uint8)
         return [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
 
     def start(self, chunks: int = 3):
-        from kvoffload._core.copy_worker import HandOver, QuickJob
+        from kvoffload._core.copy_submission import HandOver
+        from kvoffload._core.host_copy_jobs import HostCopyJob
         from kvoffload._core.transfer import TransferControl
 
         requests = self.requests(chunks)
@@ -88,8 +88,8 @@ class _Rig:
         transfer = control.transfer
         first = len(self.copier.events)
         hand_over = HandOver()
-        enqueued = self.worker.enqueue(requests, None, hand_over)
-        self.worker.start_quick(QuickJob(control, hand_over, steps, steps.ended, enqueued=enqueued))
+        enqueued = self.worker.submitter.enqueue(requests, None, hand_over)
+        self.worker.host_jobs.start(HostCopyJob(control, hand_over, steps, steps.ended, copies=enqueued))
         return transfer, steps, self.copier.events[first:]
 
     def result_landing_once_asleep(self, transfer, events, asleep: threading.Event):
@@ -143,6 +143,27 @@ def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_threa
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
 
 
+def test_a_one_copy_transfer_ends_when_it_lands_without_waking_the_worker(rig):
+    """A GPU transfer of one copy enqueued at call time (the serving engine's small store or load)
+    is followed by the landing watcher, which the driver rings: it ends, published, with its done
+    callback run, while the worker's thread is held and nobody waits in a thread; the worker
+    never sees it (nothing is reported twice once it runs again)."""
+    rig.copier.flag = None
+    rig.hold()  # the worker cannot run
+    transfer, steps, events = rig.start(chunks=1)
+    ended = threading.Event()
+    transfer.add_done_callback(lambda t: ended.set())  # from a plain thread: runs where it ends
+    assert not ended.wait(0.05), "ended before its copy landed"
+    assert events[0].alarmed.is_set(), "no ring was enqueued for the copy's completion"
+    events[0].complete()
+    assert ended.wait(10), "the transfer did not end while the worker was held"
+    assert transfer.result(0).kind == "store"
+    assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == ["kvoffload-test-worker-landings"]
+    rig.let_go()
+    rig.hold()  # the worker ran its turn: nothing more happened
+    assert steps.landings == [0] and steps.cleanups == 1 and len(steps.ends) == 1
+
+
 def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
     """A thread blocked in result() on a transfer that cannot end early (no cancel flag) sleeps until
     its last copy completes, then ends it: no wake-up from the worker needed (the worker is held)."""
@@ -171,15 +192,15 @@ def test_a_cancel_ends_a_thread_asleep_until_a_load_lands(rig, monkeypatch):
     """The waiter sleeping until the last copy lands learns of a cancel within the chunk copying
     now: it raises TransferCancelled though the later copies (their DMAs) have not completed.
     The worker's end of the transfer rings it."""
-    monkeypatch.setattr(rig.worker, "RECHECK_ASLEEP_S", 60.0)  # only a ring wakes the waiter
+    monkeypatch.setattr(rig.worker.host_jobs, "RECHECK_ASLEEP_S", 60.0)  # only a ring wakes the waiter
     chose = threading.Event()  # the worker chose the copy the cancelled transfer ends with
-    choose = rig.worker._end_at_first_incomplete
+    choose = rig.worker.host_jobs._end_at_first_incomplete
 
     def choose_and_tell(job) -> None:
         choose(job)
         chose.set()
 
-    monkeypatch.setattr(rig.worker, "_end_at_first_incomplete", choose_and_tell)
+    monkeypatch.setattr(rig.worker.host_jobs, "_end_at_first_incomplete", choose_and_tell)
     transfer, steps, events = rig.start()
     outcome: list[BaseException] = []
 
@@ -266,7 +287,7 @@ def test_waiters_and_the_worker_racing_end_each_transfer_once():
 
 
 def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
-    """A worker watches its copies without hurry (nobody waits yet); a waiter's hurry, even one that
+    """A worker watches its copies without following closely (nobody waits yet); a waiter's call to follow closely, even one that
     arrives before the watch, makes the bridge follow them closely until nothing is pending."""
     from kvoffload._core.cuda.events import PollBridge
 
@@ -274,17 +295,17 @@ def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
         bridge = PollBridge(asyncio.get_running_loop())
         first = StandInEvent()
         fut = bridge.watch(first, eager=False)
-        assert not bridge.hurried
-        bridge.hurry()
-        assert bridge.hurried
+        assert not bridge.following_closely
+        bridge.follow_closely()
+        assert bridge.following_closely
         first.complete()
         await asyncio.wait_for(fut, 5)
         await asyncio.sleep(0)  # the poller notices nothing is pending
-        assert not bridge.hurried, "still hurried with nothing pending"
-        bridge.hurry()  # a waiter's hurry overtaking the worker's watch is kept for it
+        assert not bridge.following_closely, "still following closely with nothing pending"
+        bridge.follow_closely()  # a waiter's call overtaking the worker's watch is kept for it
         second = StandInEvent()
         fut = bridge.watch(second, eager=False)
-        assert bridge.hurried
+        assert bridge.following_closely
         second.complete()
         await asyncio.wait_for(fut, 5)
         bridge.close()
@@ -292,8 +313,8 @@ def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
     asyncio.run(run())
 
 
-def test_a_hurry_wakes_a_poller_waiting_for_its_next_tick():
-    """A waiter's hurry does not wait for the bridge's next tick: with ticks a minute apart, the
+def test_following_closely_wakes_a_poller_waiting_for_its_next_tick():
+    """Following closely does not wait for the bridge's next tick: with ticks a minute apart, the
     landed copy is still noticed at once."""
     from kvoffload._core.cuda.events import PollBridge
 
@@ -304,7 +325,7 @@ def test_a_hurry_wakes_a_poller_waiting_for_its_next_tick():
         while bridge._tick is None:  # the poller is between two ticks
             await asyncio.sleep(0)
         event.complete()
-        bridge.hurry()
+        bridge.follow_closely()
         await asyncio.wait_for(fut, 5)
         bridge.close()
 
@@ -358,7 +379,7 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
         requests, submitted, after = rig.requests(3), 0, object()
     lander = _land_once_settled(rig.copier, submitted) if submitted else None
     with pytest.raises(KeyboardInterrupt):
-        rig.worker.enqueue(requests, after, kvoffload._core.copy_worker.HandOver())
+        rig.worker.submitter.enqueue(requests, after, kvoffload._core.copy_submission.HandOver())
     complete_when_raised = [e.query() for e in rig.copier.events]
     flag_back_when_raised = rig.copier.flag.released.is_set()
     if lander is not None:
@@ -370,21 +391,22 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
 @pytest.mark.parametrize("worker_took_it", [False, True], ids=["before-the-worker-took-it", "after"])
 @pytest.mark.parametrize("path", ["quick", "task"])
 def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, monkeypatch, path, worker_took_it):
-    """An interrupt in ``start_quick``/``start_task`` after the job was posted: ``abandon`` either takes
+    """An interrupt in ``host_jobs.start``/``tasks.start`` after the job was posted: ``abandon`` either takes
     the transfer back (its copies completed, its flag back) and ends it, or leaves it to the worker,
     which ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
-    from kvoffload._core.copy_worker import HandOver, QuickJob
+    from kvoffload._core.copy_submission import HandOver
+    from kvoffload._core.host_copy_jobs import HostCopyJob
     from kvoffload._core.transfer import TransferControl
 
     steps = _PublishingSteps()
     control = TransferControl("load")
     transfer = control.transfer
     hand_over = HandOver()
-    job = QuickJob(control, hand_over, steps, steps.ended, enqueued=rig.worker.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
+    job = HostCopyJob(control, hand_over, steps, steps.ended, copies=rig.worker.submitter.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
 
     def taken() -> bool:
         """The worker has the job (it arrived), or made the task (which installs a canceller)."""
-        return job in rig.worker._live if job is not None else transfer._canceller is not None
+        return job in rig.worker.host_jobs._live if job is not None else transfer._canceller is not None
 
     real_box = rig.loop.mailbox
 
@@ -411,9 +433,9 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
     try:
         with pytest.raises(KeyboardInterrupt):
             if job is not None:
-                rig.worker.start_quick(job)
+                rig.worker.host_jobs.start(job)
             else:
-                rig.worker.start_task(control, hand_over, run_forever, steps.cleanup, steps.ended)
+                rig.worker.tasks.start(control, hand_over, run_forever, steps.cleanup, steps.ended)
     finally:
         monkeypatch.setattr(rig.loop, "mailbox", real_box)
     rig.worker.abandon(hand_over, control, steps, steps.ended)

@@ -106,13 +106,13 @@ class Hooks:
             c = off._running_storage().index.counts()  # stats() with the pending entries per tier
             # Host slots: free + ready + pending, minus the spilling entries whose slot a pending entry borrows,
             # plus the slots promoting loads read into.
-            if c["host_free"] + c["host_ready"] + c["host_pending"] - c["spilling"] + c["host_promoting"] != c["host_slots"]:
+            if c.host_free + c.host_ready + c.host_pending - c.spilling + c.host_promoting != c.host_slots:
                 self.violations.append(f"{where}: host slots do not add up: {c}")
             # Disk slots: free + ready + pending (a large store's first keys) + the spills' destinations + clean copies.
-            if c["disk_free"] + c["disk_ready"] + c["disk_pending"] + c["spilling"] + c["disk_clean"] != c["disk_slots"]:
+            if c.disk_free + c.disk_ready + c.disk_pending + c.spilling + c.disk_clean != c.disk_slots:
                 self.violations.append(f"{where}: disk slots do not add up: {c}")
             FIGURES["accounting-checks"] += 1
-            if c["host_ready"] > c["host_slots"] or c["disk_ready"] > c["disk_slots"]:
+            if c.host_ready > c.host_slots or c.disk_ready > c.disk_slots:
                 self.violations.append(f"{where}: more entries than slots: {c}")
         with self.lock:
             self.calls += 1

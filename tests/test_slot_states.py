@@ -55,7 +55,7 @@ def store_rest(ix: BlockIndex, r: Reservation) -> None:
 
 def free(ix: BlockIndex) -> tuple[int, int]:
     c = ix.counts()
-    return c["host_free"], c["disk_free"]
+    return c.host_free, c.disk_free
 
 
 def state_of(ix: BlockIndex, key: Hashable) -> State | None:
@@ -187,7 +187,7 @@ def test_lookup_never_runs_the_callers_iterable_under_the_lock():
 def on_disk(ix: BlockIndex, *keys: Hashable) -> None:
     """Store ``keys`` and spill them to disk by filling the host tier, then discard the fillers: every host slot is free."""
     store(ix, *keys)
-    fillers = [("filler", i) for i in range(ix.counts()["host_slots"])]
+    fillers = [("filler", i) for i in range(ix.counts().host_slots)]
     store(ix, *fillers)
     ix.discard(fillers)
     assert all(ix._entries[k].tier == DISK for k in keys)
@@ -220,7 +220,7 @@ def test_promotion_makes_a_disk_entry_host_resident_and_keeps_its_disk_slot_as_a
     assert where(ix, "a") == (HOST, p.promote_slot, disk_slot) and ix.promoted == 1
     ix.unpin(pins)
     c = ix.counts()
-    assert (c["host_ready"], c["disk_ready"], c["disk_clean"], c["host_free"], c["disk_free"]) == (1, 0, 1, 1, 1)
+    assert (c.host_ready, c.disk_ready, c.disk_clean, c.host_free, c.disk_free) == (1, 0, 1, 1, 1)
     assert ix.pin(["a"])[0].tier == HOST  # the next load reads host memory
     ix.check()
 
@@ -299,7 +299,7 @@ def test_a_promotion_is_declined_when_its_entry_was_discarded_or_promoted_meanwh
     assert ix.promoted == 1 and where(ix, "a")[1] == first[0].promote_slot
     assert free(ix) == (1, 0)  # the declined host slots are freed when their loads end
     ix.unpin(first + second + gone)
-    assert free(ix) == (3, 1) and ix.counts()["disk_clean"] == 1
+    assert free(ix) == (3, 1) and ix.counts().disk_clean == 1
     ix.check()
 
 
@@ -484,7 +484,7 @@ def check_world(w: World) -> None:
         if e.clean_slot >= 0:
             assert w.mem[DISK][e.clean_slot] == w.tag[k], f"{k!r}'s clean copy in disk slot {e.clean_slot} holds {w.mem[DISK][e.clean_slot]!r}"
     c = w.ix.counts()
-    assert c["host_free"] + c["host_ready"] <= HOST_SLOTS and c["disk_free"] + c["disk_ready"] + c["disk_clean"] <= DISK_SLOTS, c
+    assert c.host_free + c.host_ready <= HOST_SLOTS and c.disk_free + c.disk_ready + c.disk_clean <= DISK_SLOTS, c
 
 
 def run_interleaving(seed: int, steps: int, kind: str) -> int:
@@ -549,9 +549,9 @@ def run_interleaving(seed: int, steps: int, kind: str) -> int:
         g.close()
     check_world(w)
     c = w.ix.counts()
-    assert c["host_free"] + c["host_ready"] == HOST_SLOTS and c["disk_free"] + c["disk_ready"] + c["disk_clean"] == DISK_SLOTS, c
+    assert c.host_free + c.host_ready == HOST_SLOTS and c.disk_free + c.disk_ready + c.disk_clean == DISK_SLOTS, c
     FIGURES["evictions"] += w.ix.evicted
-    FIGURES["clean copies at the end"] += c["disk_clean"]
+    FIGURES["clean copies at the end"] += c.disk_clean
     return done
 
 

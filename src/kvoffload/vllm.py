@@ -96,11 +96,10 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, Transfer
+from ._core.layout import slot_bytes_for
 from ._core.options import parse_size
 
 __all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
-
-_SLOT_ALIGN = 4096
 
 # -- configuration ------------------------------------------------------------------------
 
@@ -330,7 +329,7 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "(hybrid attention): use vLLM's CPUOffloadingSpec for it"
             )
         block_bytes = int(config.worker_kv_bytes_per_block)
-        self.slot_bytes = -(-block_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self.slot_bytes = slot_bytes_for(block_bytes)  # the offloader's slot for these blocks
         parsed = parse_extra_config(
             self.extra_config, slot_bytes=self.slot_bytes, world_size=int(config.parallel.world_size),
             blocks_per_chunk=self.blocks_per_chunk,

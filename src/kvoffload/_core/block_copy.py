@@ -79,10 +79,10 @@ class CpuBlockCopier:
     def __init__(self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], chunk_bytes: int) -> None:
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
-        self._piece_ints = [(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(self._rows, self._pieces)]
+        self._piece_addresses = layout.piece_addresses(self._rows)
         self._avg_piece = layout.block_bytes / len(layout.pieces)
         self._memcpy = _libc_memcpy()
-        self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
+        self.chunk_blocks = layout.blocks_per_chunk(chunk_bytes)
 
     def caller_event(self) -> None:
         return None  # CPU work is complete when the caller's call returns
@@ -105,7 +105,7 @@ class CpuBlockCopier:
             memcpy, hbase, hstride = self._memcpy, host.data_ptr(), host.stride(0)
             for b, r in zip(block_ids, rows):
                 row = hbase + r * hstride
-                for cbase, stride, offset, nbytes in self._piece_ints:
+                for cbase, stride, offset, nbytes in self._piece_addresses:
                     if to_host:
                         memcpy(row + offset, cbase + b * stride, nbytes)
                     else:

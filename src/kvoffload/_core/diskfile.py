@@ -38,7 +38,7 @@ from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
 from .options import format_size
 
-__all__ = ["DiskFile", "IoBatch", "IoCalls", "check_free_space", "clear_path", "io_jobs"]
+__all__ = ["DiskFile", "DiskIoCounts", "IoBatch", "IoCalls", "check_free_space", "clear_path", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
@@ -52,6 +52,16 @@ class IoCalls:
 
     pwritev: Callable[[int, Sequence[Any], int], int] = os.pwritev
     preadv: Callable[[int, Sequence[Any], int], int] = os.preadv
+
+
+@dataclass(frozen=True, slots=True)
+class DiskIoCounts:
+    """What :meth:`DiskFile.io_counts` reports: bytes moved, and IO calls that failed."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    errors: int = 0
+    """IO calls that raised or moved fewer bytes than asked."""
 
 
 class DiskFile:
@@ -82,7 +92,8 @@ class DiskFile:
         self.io = IoCalls()
         self.fd = -1
         self._counts_lock = threading.Lock()
-        self._counts = {"bytes_written": 0, "bytes_read": 0, "errors": 0}
+        self._bytes_written = self._bytes_read = self._errors = 0
+        """What :meth:`io_counts` reports; under ``_counts_lock``."""
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory of disk_path does not exist", parent)
@@ -199,10 +210,13 @@ class DiskFile:
             _check_count(what, done, want, offset)
         except BaseException:
             with self._counts_lock:
-                self._counts["errors"] += 1
+                self._errors += 1
             raise
         with self._counts_lock:
-            self._counts["bytes_written" if what == "write" else "bytes_read"] += want
+            if what == "write":
+                self._bytes_written += want
+            else:
+                self._bytes_read += want
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         """``nbytes`` at ``offset`` (both multiples of 4096) through an aligned buffer: bytes past the
@@ -230,10 +244,10 @@ class DiskFile:
         self.nbytes = nbytes
         self._reserve()
 
-    def io_counts(self) -> dict[str, int]:
+    def io_counts(self) -> DiskIoCounts:
         """Bytes written and read, and IO calls that failed, since the file was opened."""
         with self._counts_lock:
-            return dict(self._counts)
+            return DiskIoCounts(self._bytes_written, self._bytes_read, self._errors)
 
     def unlink(self) -> None:
         """Remove the file from its directory if the path still names it (the fd stays open);

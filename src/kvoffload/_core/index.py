@@ -96,7 +96,7 @@ from typing import TypeVar
 
 from .errors import CapacityError, MissingKeysError
 
-__all__ = ["BlockIndex", "Evicted", "Reservation", "Spill", "Pin"]
+__all__ = ["BlockIndex", "Evicted", "IndexCounts", "Reservation", "Spill", "Pin"]
 
 HOST, DISK = 0, 1
 TIER_NAMES = ("host", "disk")
@@ -165,6 +165,42 @@ class Evicted:
     key: Hashable
     tier: int
     slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexCounts:
+    """What :meth:`BlockIndex.counts` reports: slot use and entry states now, and the index's
+    counters so far (the counters never go down)."""
+
+    host_slots: int = 0
+    host_free: int = 0
+    disk_slots: int = 0
+    disk_free: int = 0
+    host_ready: int = 0
+    disk_ready: int = 0
+    pending: int = 0
+    host_pending: int = 0
+    disk_pending: int = 0
+    """``pending``, by the tier the running stores write."""
+    pinned: int = 0
+    """Entries pinned by running loads or held by leases."""
+    spilling: int = 0
+    host_promoting: int = 0
+    """Host slots reserved by loads that promote disk-resident keys into them."""
+    disk_clean: int = 0
+    """Disk slots holding the clean copy of a host entry (promoted, or written at a persistent tier's close)."""
+    evicted: int = 0
+    evicted_host: int = 0
+    evicted_disk: int = 0
+    spilled: int = 0
+    promoted: int = 0
+
+    def retired(self) -> IndexCounts:
+        """These counts once the tiers are gone: the counters kept, every slot and entry gone."""
+        return IndexCounts(
+            evicted=self.evicted, evicted_host=self.evicted_host, evicted_disk=self.evicted_disk,
+            spilled=self.spilled, promoted=self.promoted,
+        )
 
 
 @dataclass
@@ -499,33 +535,33 @@ class BlockIndex:
         self._entries.get(mates)
         return mates.found
 
-    def counts(self) -> dict[str, int]:
-        """Snapshot of slot use per tier and of entry states."""
+    def counts(self) -> IndexCounts:
+        """Snapshot of slot use per tier and of entry states, with the index's counters."""
         self._expire_holds()
         with self._lock:
             host, disk = self._tiers
             states = [e.state for e in self._entries.values()]
             pending_tiers = [e.tier for e in self._entries.values() if e.state is State.PENDING]
-            return {
-                "host_slots": host.size,
-                "host_free": len(host.free),
-                "disk_slots": disk.size,
-                "disk_free": len(disk.free),
-                "host_ready": len(host.lru),
-                "disk_ready": len(disk.lru),
-                "pending": len(pending_tiers),
-                "host_pending": pending_tiers.count(HOST),
-                "disk_pending": pending_tiers.count(DISK),
-                "pinned": sum(1 for e in self._entries.values() if e.loads),
-                "spilling": states.count(State.SPILLING),
-                "evicted": self.evicted,
-                "evicted_host": self.evicted_by_tier[HOST],
-                "evicted_disk": self.evicted_by_tier[DISK],
-                "spilled": self.spilled,
-                "promoted": self.promoted,
-                "host_promoting": self._promoting,
-                "disk_clean": len(self._clean),
-            }
+            return IndexCounts(
+                host_slots=host.size,
+                host_free=len(host.free),
+                disk_slots=disk.size,
+                disk_free=len(disk.free),
+                host_ready=len(host.lru),
+                disk_ready=len(disk.lru),
+                pending=len(pending_tiers),
+                host_pending=pending_tiers.count(HOST),
+                disk_pending=pending_tiers.count(DISK),
+                pinned=sum(1 for e in self._entries.values() if e.loads),
+                spilling=states.count(State.SPILLING),
+                host_promoting=self._promoting,
+                disk_clean=len(self._clean),
+                evicted=self.evicted,
+                evicted_host=self.evicted_by_tier[HOST],
+                evicted_disk=self.evicted_by_tier[DISK],
+                spilled=self.spilled,
+                promoted=self.promoted,
+            )
 
     def check(self) -> None:
         """Assert every invariant of the slot and entry states (tests call this)."""

@@ -18,11 +18,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs"]
+__all__ = ["SLOT_ALIGN", "BlockLayout", "PieceAddress", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
 
 SLOT_ALIGN = 4096
 """Slot size and slot addresses are multiples of this (safe for O_DIRECT)."""
@@ -31,6 +32,11 @@ SLOT_ALIGN = 4096
 def round_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """The size of the slot that holds a block of ``block_bytes``: rounded up to :data:`SLOT_ALIGN`."""
+    return round_up(block_bytes, SLOT_ALIGN)
 
 
 MAX_PIECES_PER_TENSOR = 64
@@ -48,6 +54,16 @@ class TensorPiece:
     stride: int = 0
     """Bytes from one block's piece to the next in the tensor (``nbytes`` when blocks are packed)."""
     index: tuple[int, ...] = ()
+
+
+class PieceAddress(NamedTuple):
+    """Where a piece's bytes are, as plain ints for the copy loops: block ``b``'s piece is at
+    ``cache_base + b * stride`` in its tensor and at ``offset`` in a slot, ``nbytes`` long."""
+
+    cache_base: int
+    stride: int
+    offset: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -121,12 +137,16 @@ class BlockLayout:
         _check_no_shared_bytes(placed, num_blocks, kv_caches)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return cls(tuple(pieces), int(num_blocks), offset, round_up(offset, SLOT_ALIGN), device)
+        return cls(tuple(pieces), int(num_blocks), offset, slot_bytes_for(offset), device)
 
     @property
     def is_cuda(self) -> bool:
         """True when the cache lives in GPU memory."""
         return self.device.type == "cuda"
+
+    def blocks_per_chunk(self, chunk_bytes: int) -> int:
+        """Blocks in a copy chunk (or bounce half) of ``chunk_bytes``: whole slots, at least one."""
+        return max(1, chunk_bytes // self.slot_bytes)
 
     def block_rows(self, kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Each piece viewed as ``uint8[num_blocks, piece_bytes]``, rows ``stride`` bytes apart (no copy)."""
@@ -141,6 +161,10 @@ class BlockLayout:
             view.set_(part.untyped_storage(), start, (self.num_blocks, p.nbytes), (p.stride, 1))
             rows.append(view)
         return rows
+
+    def piece_addresses(self, rows: Sequence[torch.Tensor]) -> list[PieceAddress]:
+        """Each piece's addresses (``rows``: :meth:`block_rows`), in :attr:`pieces` order."""
+        return [PieceAddress(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(rows, self.pieces)]
 
 
 @dataclass(frozen=True)

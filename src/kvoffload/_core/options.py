@@ -144,7 +144,7 @@ class Options:
     remote_shard: str = ""
     """Which shard of a sharded cache this offloader holds (the tensor-parallel rank): part of the
     cache identity, so ranks never read each other's blocks."""
-    remote_write: str = "through"
+    remote_write: Literal["through", "evict", "none"] = "through"
     """When blocks are sent to the remote, in the background: ``"through"``, as their store completes
     (other nodes see them soon after); ``"evict"``, as the local tiers evict them (the remote holds
     what this node let go; evicted blocks wait in a staging buffer of ``bounce_bytes``, and those that

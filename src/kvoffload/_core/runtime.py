@@ -17,17 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from .cuda.events import make_bridge
+from .cuda.events import CompletionBridge, make_bridge
 from .deadline import Deadline
 from .errors import CloseError
 from .helper_threads import HelperThread, on_worker_thread, process_generation
-from .copy_worker import CopyCalls, CopyWorker, CopyWorkers
+from .copy_submission import CopyCalls
+from .copy_worker import CopyWorker, CopyWorkers
 from .layout import BlockLayout
 from .worker_loop import WorkerLoop
-from .block_copy import make_block_copier
+from .block_copy import BlockCopier, make_block_copier
 from .diskfile import check_free_space
 from .index import BlockIndex
 from .cache_identity import CacheIdentity
@@ -39,6 +41,7 @@ from .tiers.tiered_storage import TieredStorage
 
 __all__ = [
     "BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "HoldExpiry", "Runtime", "finalize_runtime", "process_generation",
+    "start_copy_worker",
 ]
 
 log = logging.getLogger("kvoffload")
@@ -118,8 +121,8 @@ class Footprint:
     @classmethod
     def of(cls, layout: BlockLayout, opts: Options, slots: TierSlots) -> Footprint:
         """What an offloader of ``layout``, ``opts`` and ``slots`` takes."""
-        chunk = max(1, opts.chunk_bytes // layout.slot_bytes) * layout.slot_bytes
-        bounce = max(1, (opts.bounce_bytes or opts.chunk_bytes) // layout.slot_bytes) * layout.slot_bytes
+        chunk = layout.blocks_per_chunk(opts.chunk_bytes) * layout.slot_bytes
+        bounce = layout.blocks_per_chunk(opts.bounce_bytes or opts.chunk_bytes) * layout.slot_bytes
         bounce_directions = (2 if not slots.host else 1) if slots.disk else 0
         return cls(
             host_slab=slots.host * layout.slot_bytes,
@@ -285,18 +288,15 @@ class Runtime:
             check_sizes(layout, opts, slots)
             expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
             for name in ("store", "load", "expedited") if expedited else ("store", "load"):
-                thread = WorkerLoop(f"kvoffload-{name}", on_thread_start=_init_worker_thread(layout.device))
-                try:
-                    copier = make_block_copier(layout, caches, opts, expedited=name == "expedited")
-                    bridge = make_bridge(opts.completion, thread.loop, f"kvoffload-{name}-events") if layout.is_cuda else None
-                except BaseException:
-                    thread.stop(5.0)
-                    raise
-                self.workers.append(CopyWorker("store" if name == "store" else "load", thread, copier, bridge, self.copy_calls))
+                copier = make_block_copier(layout, caches, opts, expedited=name == "expedited")
+                self.workers.append(start_copy_worker(
+                    "store" if name == "store" else "load", f"kvoffload-{name}", copier, self.copy_calls,
+                    completion=opts.completion if layout.is_cuda else None, on_thread_start=_init_worker_thread(layout.device),
+                ))
             self.storage = TieredStorage(
                 layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
-                chunk_blocks=max(1, opts.chunk_bytes // layout.slot_bytes),
-                bounce_blocks=max(1, (opts.bounce_bytes or opts.chunk_bytes) // layout.slot_bytes),
+                chunk_blocks=layout.blocks_per_chunk(opts.chunk_bytes),
+                bounce_blocks=layout.blocks_per_chunk(opts.bounce_bytes or opts.chunk_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
                 identity=CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None, verify=opts.verify,
             )
@@ -408,6 +408,32 @@ class Runtime:
         disk = self.storage.disk if self.storage is not None else self._disk_left
         if disk is not None:
             disk.file.unlink()
+
+
+def start_copy_worker(
+    kind: Literal["store", "load"], thread_name: str, copier: BlockCopier, calls: CopyCalls, *,
+    completion: Literal["poll", "thread"] | None, on_thread_start: Callable[[], None] | None = None,
+) -> CopyWorker:
+    """A copy worker around ``copier``, which it owns from now on: a worker loop thread named
+    ``thread_name`` (``on_thread_start`` runs first on it) and, with ``completion`` (GPU caches), the
+    bridge that brings the copier's completions to the loop (``thread_name-events``). When a part
+    cannot be made, the thread is stopped and the copier closed before the error is raised."""
+    loop: WorkerLoop | None = None
+    bridge: CompletionBridge | None = None
+    try:
+        loop = WorkerLoop(thread_name, on_thread_start=on_thread_start)
+        bridge = make_bridge(completion, loop.loop, f"{thread_name}-events") if completion is not None else None
+        return CopyWorker(kind, loop, copier, bridge, calls)
+    except BaseException:
+        if loop is not None:
+            loop.stop(5.0)
+        try:
+            if bridge is not None:
+                bridge.close()
+            copier.close()
+        except Exception:  # a failed device: the error that stopped the start is the one to raise
+            log.exception("kvoffload: %s: releasing the copier after a failed start failed", thread_name)
+        raise
 
 
 def finalize_runtime(rt: Runtime) -> None:

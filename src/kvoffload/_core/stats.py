@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from .diskfile import DiskIoCounts
+from .index import IndexCounts
 from .transfer import TransferControl, TransferResult
 
-__all__ = ["OffloaderStats", "LatencyHistogram", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
+__all__ = ["OffloaderStats", "LatencyHistogram", "PersistentCounts", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 
 LATENCY_BOUNDS: tuple[float, ...] = tuple(1e-5 * 2**i for i in range(24))
 """Upper bounds (seconds) of the latency buckets: 10 us doubling up to about 84 s, then +Inf."""
@@ -135,39 +137,30 @@ class OffloaderStats:
     through host memory are on their streams by then), ``copy`` (from then to the end), ``total``."""
 
 
-@dataclass(frozen=True)
-class TierCounts:
-    """What the tiers report: slot use and entry states now, and their own counters so far."""
+@dataclass(frozen=True, slots=True)
+class PersistentCounts:
+    """What a persistent disk tier reports (all 0 for any other tier)."""
 
-    host_free: int = 0
-    disk_free: int = 0
-    host_ready: int = 0
-    disk_ready: int = 0
-    pending: int = 0
-    pinned: int = 0
-    spilling: int = 0
-    evicted_host: int = 0
-    evicted_disk: int = 0
-    spilled: int = 0
-    disk_bytes_written: int = 0
-    disk_bytes_read: int = 0
-    disk_io_errors: int = 0
-    host_pending: int = 0
-    disk_pending: int = 0
-    promoted: int = 0
-    disk_clean: int = 0
     recovered: int = 0
+    """Entries found again in the disk file at start."""
     dropped_at_open: int = 0
+    """Slots whose header or checksum did not verify at start."""
     checksum_failures: int = 0
+    """Slots whose CRC32C did not match when loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """What the tiers report, a record per layer: the index (slot use, entry states, its counters),
+    the disk file's IO and the persistent disk tier's counters."""
+
+    index: IndexCounts = field(default_factory=IndexCounts)
+    disk_io: DiskIoCounts = field(default_factory=DiskIoCounts)
+    persistent: PersistentCounts = field(default_factory=PersistentCounts)
 
     def retired(self) -> TierCounts:
         """These counts once the tiers are gone: the counters kept, every slot and entry gone."""
-        return TierCounts(
-            evicted_host=self.evicted_host, evicted_disk=self.evicted_disk, spilled=self.spilled,
-            disk_bytes_written=self.disk_bytes_written, disk_bytes_read=self.disk_bytes_read, disk_io_errors=self.disk_io_errors,
-            promoted=self.promoted, recovered=self.recovered, dropped_at_open=self.dropped_at_open,
-            checksum_failures=self.checksum_failures,
-        )
+        return TierCounts(self.index.retired(), self.disk_io, self.persistent)
 
 
 class _Histogram:

@@ -81,7 +81,7 @@ class Transfer:
 
     __slots__ = (
         "kind", "_lock", "_state", "_result", "_exc", "_exc_tb", "_finished", "_callbacks", "_cancel_requested", "_canceller",
-        "_tensors", "_tensor_names", "_finisher", "_hurry", "_generation",
+        "_tensors", "_tensor_names", "_finisher", "_follow_closely", "_generation",
     )
 
     def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
@@ -99,7 +99,7 @@ class Transfer:
         self._canceller: Callable[[], Any] | None = None
         self._finisher: Callable[[bool], bool] | None = None
         """Ends the transfer in the calling thread if its copies have completed (True if it did so)."""
-        self._hurry: Callable[[], Any] | None = None
+        self._follow_closely: Callable[[], Any] | None = None
         """Tells the worker that somebody now waits for the transfer."""
         self._tensors: dict[str, _TensorCopy] | None = None
         """Loads with per-tensor completion: each tensor's copy event and waiters."""
@@ -331,9 +331,9 @@ class Transfer:
 
     def _waiting(self) -> None:
         """Somebody starts waiting for the transfer (still running): its worker follows it closely."""
-        hurry = self._hurry
-        if hurry is not None:
-            hurry()
+        follow = self._follow_closely
+        if follow is not None:
+            follow()
 
     def _dispatch(self, cb: _Callback) -> None:
         """Run a done callback where it belongs: on its loop, else (or if that loop has closed) here."""
@@ -362,11 +362,11 @@ class TransferControl:
         """True once :meth:`Transfer.cancel` was called (before the transfer ended)."""
         return self.transfer._cancel_requested
 
-    def set_finisher(self, finisher: Callable[[bool], bool], hurry: Callable[[], Any]) -> None:
+    def set_finisher(self, finisher: Callable[[bool], bool], follow_closely: Callable[[], Any]) -> None:
         """Install how a waiting thread ends the transfer once its copies have landed (``finisher(wait)``,
         True if it did so), and how to tell its worker that somebody waits."""
         t = self.transfer
-        t._finisher, t._hurry = finisher, hurry
+        t._finisher, t._follow_closely = finisher, follow_closely
 
     def set_canceller(self, canceller: Callable[[], Any]) -> None:
         """Install how to stop the transfer's work; runs it now if a cancel came first."""
@@ -390,7 +390,7 @@ class TransferControl:
             else:
                 t._state, t._result = _DONE, result
             callbacks, t._callbacks = t._callbacks, []
-            t._canceller = t._finisher = t._hurry = None
+            t._canceller = t._finisher = t._follow_closely = None
             finished = t._finished
             tensor_waiters = []
             for state in (t._tensors or {}).values():

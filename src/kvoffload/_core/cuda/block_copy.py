@@ -87,7 +87,7 @@ class CudaBlockCopier:
         self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
-        self.chunk_blocks = max(1, chunk_bytes // layout.slot_bytes)
+        self.chunk_blocks = layout.blocks_per_chunk(chunk_bytes)
         # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one, and
         # gather_priority="high" for the kernel stream alone.
         self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority if kernel_priority is None else kernel_priority)
@@ -115,12 +115,11 @@ class CudaBlockCopier:
         self._flags = CancelFlags(layout.device) if self._kernel is not None else None
         self._cancel = (0, 0)  # the cancel flag of the copies being enqueued (address, generation), see stops_on
         self.direct_max_copies = 8 if self._kernel is not None else 128  # torch's gather: a launch per tensor
-        # Per tensor: base address and bytes per block, for direct descriptors; the same on the GPU for the kernel.
-        self._bases = np.array([r.data_ptr() for r in self._rows], dtype=np.uint64)
-        self._piece_bytes = np.array([p.nbytes for p in self._pieces], dtype=np.uint64)
-        self._piece_offsets = np.array([p.offset for p in self._pieces], dtype=np.uint64)
-        self._piece_strides = np.array([p.stride for p in self._pieces], dtype=np.uint64)
-        self._piece_ints = [(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(self._rows, self._pieces)]
+        # Per piece: cache address of block 0, stride, offset in a slot and bytes, as Python ints (few direct
+        # descriptors) and numpy columns (many); the same on the GPU for the kernel.
+        self._piece_addresses = layout.piece_addresses(self._rows)
+        columns = np.ascontiguousarray(np.array(self._piece_addresses, dtype=np.uint64).T)
+        self._bases, self._piece_strides, self._piece_offsets, self._piece_bytes = columns
         self._tables = torch.tensor(
             np.stack([self._bases, self._piece_bytes, self._piece_offsets, self._piece_strides]).astype(np.int64),
             device=layout.device,
@@ -184,7 +183,7 @@ class CudaBlockCopier:
             sizes: list[int] = []
             for b, r in zip(block_ids, rows):
                 h = hbase + r * slot
-                for base, stride, offset, nbytes in self._piece_ints:
+                for base, stride, offset, nbytes in self._piece_addresses:
                     caddrs.append(base + b * stride)
                     haddrs.append(h + offset)
                     sizes.append(nbytes)

@@ -10,7 +10,7 @@ Two bridges, chosen by measurement (see ``docs/design.md`` for the numbers):
   and wakes the loop once for every run of completions it finds. Costs one
   cross-thread wake-up per completion batch and no CPU while waiting.
 * :class:`PollBridge` - the loop polls ``event.query()``: it spins
-  (``sleep(0)``) for ``spin_s`` (1 ms) after an eager watch or a :meth:`~PollBridge.hurry`
+  (``sleep(0)``) for ``spin_s`` (1 ms) after an eager watch or a :meth:`~PollBridge.follow_closely`
   (somebody waits), and after each completion while somebody waits, so a transfer
   whose chunks keep landing is followed closely; otherwise (nobody waits, or nothing
   has completed for ``spin_s``: the GPU is stalled behind compute) it ticks every
@@ -91,13 +91,13 @@ class CompletionBridge(Protocol):
         (a polling bridge follows it closely)."""
         ...
 
-    def hurry(self) -> None:
+    def follow_closely(self) -> None:
         """Somebody now waits for what is watched: follow it closely. Call on the bridge's loop."""
         ...
 
     @property
-    def hurried(self) -> bool:
-        """True while a :meth:`hurry` holds (readable from any thread: then a hint, not a promise)."""
+    def following_closely(self) -> bool:
+        """True while a :meth:`follow_closely` holds (readable from any thread: then a hint, not a promise)."""
         ...
 
     def close(self) -> None:
@@ -124,11 +124,11 @@ class ThreadBridge:
         self._queue.put((event, fut))
         return fut
 
-    def hurry(self) -> None:
+    def follow_closely(self) -> None:
         pass  # the waiter thread wakes at each completion anyway
 
     @property
-    def hurried(self) -> bool:
+    def following_closely(self) -> bool:
         return True
 
     def _run(self) -> None:
@@ -184,23 +184,23 @@ class PollBridge:
         self._eager = False
         """Somebody waits for what is pending (cleared when nothing is)."""
         self._tick: asyncio.Future[None] | None = None
-        """What the poller awaits between two ticks: a hurry resolves it early."""
+        """What the poller awaits between two ticks: following closely resolves it early."""
 
     def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._pending.append((event, fut))
         if eager:
-            self.hurry()
+            self.follow_closely()
         elif self._poller is None:
             self._poller = self._loop.create_task(self._poll())
         return fut
 
     @property
-    def hurried(self) -> bool:
+    def following_closely(self) -> bool:
         return self._eager
 
-    def hurry(self) -> None:
-        # Also before the awaited events are watched (the waiter's hurry may overtake the worker's watch):
+    def follow_closely(self) -> None:
+        # Also before the awaited events are watched (the waiter's call may overtake the worker's watch):
         # what is watched next is followed closely, until nothing is pending.
         self._eager = True
         self._last_progress = time.perf_counter()

@@ -37,7 +37,8 @@ from ..diskfile import DiskFile, IoBatch, io_jobs
 from ..helper_threads import mark_own_thread
 from ..hostmem import HostBuffer
 from ..cache_identity import CacheIdentity
-from ..copy_worker import CopyRequest, CopyWorkers
+from ..copy_submission import CopyRequest
+from ..copy_worker import CopyWorkers
 from ..layout import BlockLayout
 from .host import chunked
 from . import persistent_slots
@@ -254,8 +255,8 @@ class DiskTier:
                     landed(writes.popleft()[1])
                 half = await pool.acquire()
                 rows = pool.rows_of(half, len(chunk))
-                event = await worker.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
-                await worker.wait(event)
+                event = await worker.tasks.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
+                await worker.tasks.wait(event)
                 event = None
                 first = i * pool.chunk_blocks
                 batch = self.write_rows(pool.array, rows, [s for _, s in chunk], keys[first : first + len(chunk)])
@@ -266,7 +267,7 @@ class DiskTier:
                 await writes[0][0].wait()
                 landed(writes.popleft()[1])
         except BaseException:
-            await worker.settle(event)
+            await worker.tasks.settle(event)
             if half is not None:
                 pool.release(half)
             for w, _ in writes:
@@ -308,17 +309,17 @@ class DiskTier:
                     if free is not None:
                         reading = start_read(i + 1, free)
                 try:
-                    last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
+                    last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
                 finally:
-                    pool.release_after(worker.settle(last), half)
+                    pool.release_after(worker.tasks.settle(last), half)
                 if more and reading is None:
                     reading = start_read(i + 1, await pool.acquire())
-            await worker.wait(last)
+            await worker.tasks.wait(last)
         except BaseException:
             if reading is not None:
                 await reading[0].settle()
                 pool.release(reading[1])
-            await worker.settle(last)
+            await worker.tasks.settle(last)
             raise
 
     async def load_fetched(
@@ -339,7 +340,7 @@ class DiskTier:
             try:
                 await batch.wait()  # (not settle(): that would cancel the writes not started)
             finally:
-                await worker.settle(event)
+                await worker.tasks.settle(event)
 
         try:
             for i, chunk in enumerate(chunked(pairs, pool.chunk_blocks)):
@@ -356,16 +357,16 @@ class DiskTier:
                 writes.append(batch)
                 event = None
                 try:
-                    event = last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], rows))
+                    event = last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], rows))
                 finally:
                     pool.release_after(ended(batch, event), half)
             for batch in writes:
                 await batch.wait()
-            await worker.wait(last)
+            await worker.tasks.wait(last)
         except BaseException:
             for batch in writes:
                 await batch.settle()
-            await worker.settle(last)
+            await worker.tasks.settle(last)
             raise
 
     def bounce_buffers(self) -> list[HostBuffer]:

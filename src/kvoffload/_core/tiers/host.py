@@ -14,7 +14,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..hostmem import HostBuffer
-from ..copy_worker import CopyRequest, CopyWorkers
+from ..copy_submission import CopyRequest
+from ..copy_worker import CopyWorkers
 from ..layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
@@ -62,11 +63,11 @@ class HostTier:
     async def copy_in(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
         """Copy cache blocks into slots (``(block id, slot)`` pairs) on the store worker's loop;
         ``landed(n)`` after each chunk of n."""
-        await self.workers.store.pipeline(self.requests_in(pairs), lambda r: r, lambda r: landed(len(r.block_ids)))
+        await self.workers.store.tasks.pipeline(self.requests_in(pairs), lambda r: r, lambda r: landed(len(r.block_ids)))
 
     async def copy_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy slots into cache blocks (``(slot, block id)`` pairs) on the load worker's loop."""
-        await self.workers.load.pipeline(self.requests_out(pairs), lambda r: r, lambda r: None)
+        await self.workers.load.tasks.pipeline(self.requests_out(pairs), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

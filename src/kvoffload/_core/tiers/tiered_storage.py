@@ -29,13 +29,15 @@ from typing import Any
 
 from ..cache_identity import CacheIdentity, encode_key
 from ..deadline import Deadline
-from ..diskfile import IoBatch, IoCalls
+from ..diskfile import DiskIoCounts, IoBatch, IoCalls
 from ..hostmem import HostBuffer
 from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..copy_worker import CopyRequest, CopyWorker, CopyWorkers, Enqueued, HandOver, QuickJob
+from ..copy_submission import CopyRequest, HandOver, SubmittedCopies
+from ..copy_worker import CopyWorker, CopyWorkers
+from ..host_copy_jobs import HostCopyJob
 from ..layout import BlockLayout
 from ..transfer import Transfer, TransferControl, TransferResult
-from ..stats import TierCounts, TransferCounters
+from ..stats import PersistentCounts, TierCounts, TransferCounters
 from ..cross_thread import resolve_from_any_thread
 from ..errors import CapacityError, MissingKeysError
 from .remote_tier import RemoteTier
@@ -190,7 +192,7 @@ class TieredStorage:
     """The host and disk tiers with their common index; starts transfers on their workers.
 
     A transfer between the cache and host slots alone (a store that needs no
-    spill, a load of host-resident keys) is a quick job of its worker: a GPU
+    spill, a load of host-resident keys) is a host-copy job of its worker: a GPU
     cache's copies are enqueued whole in the caller's thread, before ``store()``
     or ``load()`` returns, so they run with no Python step between chunks
     however busy the caller's or the worker's thread. The rest (spills, the
@@ -228,10 +230,10 @@ class TieredStorage:
         self.index = BlockIndex(host_blocks, disk_blocks, promote=promote)
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
-        self._disk_io_left: dict[str, int] = {}
+        self._disk_io_left = DiskIoCounts()
         """The disk file's IO counts once the disk tier is closed."""
-        self._persistent_left = (0, 0, 0)
-        """(recovered, dropped at open, checksum failures) once the disk tier is closed."""
+        self._persistent_left = PersistentCounts()
+        """The persistent disk tier's counts once it is closed."""
         self.remote: RemoteTier | None = None
         """The remote tier, set by :meth:`attach_remote`."""
         try:
@@ -262,7 +264,7 @@ class TieredStorage:
 
     def _capture_evicted_on_host(self, reservation: Reservation) -> None:
         """Write on eviction: the host slots a reservation evicted, copied for the remote before anything
-        writes them (at the call: a quick job's copies are enqueued before it returns)."""
+        writes them (at the call: a host-copy job's copies are enqueued before it returns)."""
         if reservation.evicted and self.remote is not None:
             self.remote.capture_host([v for v in reservation.evicted if v.tier == HOST])
 
@@ -275,26 +277,26 @@ class TieredStorage:
     def _start(
         self, worker: CopyWorker, control: TransferControl, hand_over: HandOver, plan: StorePlan | LoadPlan,
         requests: list[CopyRequest] | None, after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
-        enqueue: Callable[[Any], Enqueued] | None = None,
+        enqueue: Callable[[Any], SubmittedCopies] | None = None,
     ) -> None:
-        """Start a transfer: quick when ``requests`` (its copies between cache and host slots) are given
-        and can be enqueued now (GPU; ``enqueue(after)`` instead of ``worker.enqueue`` when given) or
+        """Start a transfer: as a host-copy job when ``requests`` (its copies between cache and host slots) are given
+        and can be enqueued now (GPU; ``enqueue(after)`` instead of the submitter's ``enqueue`` when given) or
         made in one step (one chunk), else ``run(after)`` as a task. Whatever is enqueued now is
         recorded in ``hand_over``."""
         if after is None:
             try:
                 after = worker.copier.caller_event()
             except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
-                hand_over.enqueued = Enqueued([], e)
-                worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, enqueued=hand_over.enqueued))
+                hand_over.copies = SubmittedCopies([], e)
+                worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=hand_over.copies))
                 return
         if requests is not None and self.layout.is_cuda:
-            enqueued = enqueue(after) if enqueue is not None else worker.enqueue(requests, after, hand_over)
-            worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, enqueued=enqueued))
+            copies = enqueue(after) if enqueue is not None else worker.submitter.enqueue(requests, after, hand_over)
+            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=copies))
         elif requests is not None and len(requests) == 1:
-            worker.start_quick(QuickJob(control, hand_over, plan, plan.ended, requests=requests))
+            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, requests=requests))
         else:
-            worker.start_task(control, hand_over, lambda: run(after), plan.cleanup, plan.ended)
+            worker.tasks.start(control, hand_over, lambda: run(after), plan.cleanup, plan.ended)
 
     # -- store ------------------------------------------------------------------------
 
@@ -495,17 +497,17 @@ class TieredStorage:
         if all_host:
             assert self.host is not None
             requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
-        # The expedited worker takes quick jobs only (its loop runs no task): copies enqueued at call
+        # The expedited worker takes host-copy jobs only (its loop runs no task): copies enqueued at call
         # time (GPU) or one chunk (CPU); anything else goes the regular way.
-        quick = requests is not None and (self.layout.is_cuda or len(requests) == 1)
-        load_worker = self.workers.expedited if expedited and quick and self.workers.expedited is not None else self.workers.load
+        host_job = requests is not None and (self.layout.is_cuda or len(requests) == 1)
+        load_worker = self.workers.expedited if expedited and host_job and self.workers.expedited is not None else self.workers.load
         enqueue = None
         if per_tensor and self.layout.is_cuda and all_host:
             host = self.host
             assert host is not None
 
-            def enqueue(after: Any) -> Enqueued:
-                enqueued = load_worker.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after, hand_over)
+            def enqueue(after: Any) -> SubmittedCopies:
+                enqueued = load_worker.submitter.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after, hand_over)
                 # tensors after a failed submission get no event: they never land, their waiters get the error
                 control.track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
                 plan.reports_landings, plan.on_tensor = True, control.tensor_landed
@@ -564,37 +566,33 @@ class TieredStorage:
                 reads.popleft()
                 if mine:
                     self.index.promotion_done([p for p, _ in mine])
-                    last = await worker.copy(host.request_out([(p.promote_slot, b) for p, b in mine]))
-            await worker.wait(last)
+                    last = await worker.tasks.copy(host.request_out([(p.promote_slot, b) for p, b in mine]))
+            await worker.tasks.wait(last)
         except BaseException:
             for _, batch in reads:
                 if batch is not None:
                     await batch.settle()
-            await worker.settle(last)
+            await worker.tasks.settle(last)
             raise
         return taken_back
 
     def counts(self) -> TierCounts:
         """Slot use, entry states and the tiers' counters (readable from any thread, also while or after closing)."""
-        c = self.index.counts()
         disk = self.disk
-        io = disk.file.io_counts() if disk is not None else self._disk_io_left
-        recovered, dropped, failures = self._persistent_counts(disk)
         return TierCounts(
-            host_free=c["host_free"], disk_free=c["disk_free"], host_ready=c["host_ready"], disk_ready=c["disk_ready"],
-            pending=c["pending"], pinned=c["pinned"], spilling=c["spilling"], evicted_host=c["evicted_host"],
-            evicted_disk=c["evicted_disk"], spilled=c["spilled"], disk_bytes_written=io.get("bytes_written", 0),
-            disk_bytes_read=io.get("bytes_read", 0), disk_io_errors=io.get("errors", 0),
-            host_pending=c["host_pending"], disk_pending=c["disk_pending"], promoted=c["promoted"], disk_clean=c["disk_clean"],
-            recovered=recovered, dropped_at_open=dropped, checksum_failures=failures,
+            index=self.index.counts(),
+            disk_io=disk.file.io_counts() if disk is not None else self._disk_io_left,
+            persistent=self._persistent_counts(disk),
         )
 
-    def _persistent_counts(self, disk: DiskTier | None) -> tuple[int, int, int]:
-        """(recovered, dropped at open, checksum failures) of a persistent disk tier."""
+    def _persistent_counts(self, disk: DiskTier | None) -> PersistentCounts:
+        """The counts of a persistent disk tier (all 0 for another), as it closed when ``disk`` is None."""
         if disk is None:
             return self._persistent_left
         p = disk.persistent
-        return (len(disk.recovered.entries), disk.recovered.dropped, p.checksum_failures) if p is not None else (0, 0, 0)
+        if p is None:
+            return PersistentCounts()
+        return PersistentCounts(len(disk.recovered.entries), disk.recovered.dropped, p.checksum_failures)
 
     def _copy_host_entries_to_disk(self, deadline: Deadline) -> None:
         """A persistent tier's close: write entries only in host memory to free disk slots (nothing

@@ -1,0 +1,77 @@
+"""How a copy worker's transfer ends, whichever way it ran: the plan's callbacks
+(:class:`JobSteps`, :data:`EndHook`), the one mapping of what a transfer's foreign calls raise to
+kvoffload's errors (:func:`as_transfer_error`), and the one sequence that ends it
+(:func:`end_transfer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .errors import OffloadError, TransferError
+from .foreign import ForeignCallError
+from .transfer import TransferControl, TransferResult
+
+__all__ = ["EndHook", "JobSteps", "as_transfer_error", "end_transfer"]
+
+log = logging.getLogger("kvoffload")
+
+EndHook = Callable[[TransferResult | None, BaseException | None, bool], Any]
+"""``on_end(result, exc, cancelled)``: sees a transfer's outcome just before it ends (its plan counts it)."""
+
+
+def as_transfer_error(kind: str, e: BaseException) -> BaseException:
+    """What a transfer reports for ``e``: the library's own errors and cancellation as they are,
+    anything else (the user's, the driver's, ``SystemExit``) as :class:`TransferError` with it as
+    the cause. The one place where foreign exceptions become kvoffload's."""
+    if isinstance(e, ForeignCallError):  # the original exception becomes the cause
+        err = TransferError(f"{kind} failed: {e}")
+        err.__cause__ = e.__cause__
+        return err
+    if isinstance(e, (asyncio.CancelledError, OffloadError, GeneratorExit)):
+        return e
+    err = TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}")
+    err.__cause__ = e
+    return err
+
+
+class JobSteps(Protocol):
+    """A transfer's own bookkeeping, which its worker calls back (the tiers' store and load plans)."""
+
+    reports_landings: bool
+    """True: call :meth:`landed` as each copy completes (stores publish chunk by chunk)."""
+    taken: float | None
+    """When a worker took the transfer (``time.perf_counter()``); the worker sets it."""
+
+    def landed(self, i: int) -> None:
+        """Copy ``i`` (and every copy before it) has completed."""
+        ...
+
+    def result(self) -> TransferResult:
+        """The finished transfer's result."""
+        ...
+
+    def cleanup(self) -> None:
+        """Undo what did not finish; runs however the transfer ends, once its copies have completed. Idempotent."""
+        ...
+
+
+def end_transfer(
+    where: str, control: TransferControl, cleanup: Callable[[], Any] | None, on_end: EndHook,
+    result: TransferResult | None, exc: BaseException | None, cancelled: bool,
+) -> None:
+    """How a worker ends a transfer, whichever way it ran: ``cleanup()`` (what it holds goes back; its
+    copies have completed), ``on_end`` sees the outcome, then the transfer ends (its waiters wake).
+    Nothing raised here escapes (a ``SystemExit`` would stop the worker's loop for good)."""
+    if cleanup is not None:
+        try:
+            cleanup()
+        except BaseException:
+            log.exception("%s: transfer cleanup raised", where)
+    try:
+        on_end(result, exc, cancelled)
+    except BaseException:
+        log.exception("%s: transfer end hook raised", where)
+    control.finish(result, exc, cancelled)
