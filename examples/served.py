@@ -8,7 +8,7 @@ answers only once the transfer let go of its blocks. Overload (no free cache blo
 slot taken by running stores) is answered 503 with Retry-After; a prefix evicted between lookup
 and load is recomputed. GET /stats returns ``Offloader.stats()``.
 
-python examples/served.py     # serves on 127.0.0.1, sends itself a few requests (one hangs up), stops
+python examples/served.py     # serves on 127.0.0.1, sends itself a few requests (one hangs up mid-load), stops
 
 Needs starlette, uvicorn and httpx (pip install starlette uvicorn httpx).
 """
@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import hashlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class PrefixCacheService:
         self.lock = threading.Lock()
         self.abandoned = {"disconnect": 0, "deadline": 0}
         """Requests whose work was cancelled, by cause (counted once the cancel reached the transfer)."""
+        self.on_load: Callable[[kvoffload.Transfer], object] = lambda load: None
+        """Called with each load a request starts (the demo hangs up its client then)."""
 
     @staticmethod
     def keys_for(tokens: list[int]) -> list[bytes]:
@@ -76,9 +78,12 @@ class PrefixCacheService:
             hits = self.off.lookup(keys)
             if hits:
                 try:
-                    await self.off.load(dict(zip(keys[:hits], blocks)))  # cancelled with this task
+                    load = self.off.load(dict(zip(keys[:hits], blocks)))
                 except kvoffload.MissingKeysError:
                     hits = 0  # evicted since the lookup (raised at the call: nothing written): a miss
+                else:
+                    self.on_load(load)
+                    await load  # cancelled with this task
             for key, block in zip(keys[hits:], blocks[hits:]):
                 self.compute(key, block)
             if len(keys) > hits:
@@ -157,27 +162,38 @@ def make_app(num_blocks: int = 256, host_blocks: int = 1024, device: str | None 
     return Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/stats", stats)], lifespan=lifespan)
 
 
-async def _demo() -> None:
+async def _demo(device: str | None = None, before_hang_up: Callable[[PrefixCacheService], object] = lambda service: None) -> None:
+    """Serve on 127.0.0.1 and send a few requests, one from a client that hangs up mid-load.
+    ``before_hang_up(service)`` runs just before that client sends its request."""
     import httpx
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(make_app(), host="127.0.0.1", port=0, log_level="warning"))
+    # 1 MiB chunks: a load stops within a chunk or so of its cancellation (64 chunks for the long prompt)
+    app = make_app(num_blocks=640, device=device, chunk_bytes=1 << 20)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
+    service: PrefixCacheService = app.state.service
     port = server.servers[0].sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     tokens = list(range(16 * 8))
+    long_prompt = list(range(100_000, 100_000 + 16 * 512))  # 512 blocks: 64 MiB of KV
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         print("first request: ", (await client.post("/generate", json={"tokens": tokens})).json())
         print("same prefix:   ", (await client.post("/generate", json={"tokens": tokens + [1, 2, 3]})).json())
-        # A client that hangs up mid-request: its transfer (if still running) is cancelled.
-        hanging = asyncio.ensure_future(client.post("/generate", json={"tokens": tokens[::-1] * 4}))
-        await asyncio.sleep(0.002)
-        hanging.cancel()
+        print("a long prompt: ", (await client.post("/generate", json={"tokens": long_prompt})).json())
+        # The long prompt again, from a client that hangs up while the server loads its 64 MiB
+        # prefix: the server cancels that load, and answers once it stopped writing the blocks.
+        loads: asyncio.Queue[kvoffload.Transfer] = asyncio.Queue()
+        service.on_load = loads.put_nowait
+        before_hang_up(service)
+        hanging = asyncio.ensure_future(client.post("/generate", json={"tokens": long_prompt}))
+        load = await loads.get()  # the server is loading the prefix
+        hanging.cancel()  # the client hangs up: httpx closes the connection
         with contextlib.suppress(asyncio.CancelledError):
             await hanging
-        await asyncio.sleep(0.1)
+        await asyncio.wait({load})  # until the load ended (a Transfer works with asyncio.wait)
         s = (await client.get("/stats")).json()
         print(f"after a hang-up: {s['in_flight']} transfers in flight, {s['pinned']} keys pinned, "
               f"{s['cancelled']} cancelled, {s['stores']} stores, {s['loads']} loads")

@@ -172,6 +172,36 @@ def test_prometheus_collector_exposes_the_documented_names():
     assert exported == documented, f"exported but not documented: {exported - documented}; documented only: {documented - exported}"
 
 
+def test_two_offloaders_in_one_registry_are_scraped_each_under_its_own_label():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_text
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    from kvoffload.prometheus import OffloaderCollector, register
+
+    registry = prometheus_client.CollectorRegistry(auto_describe=True)  # checks names, as the default REGISTRY does
+    with kvoffload.Offloader(random_caches(8, seed=56), host_blocks=4) as first, \
+            kvoffload.Offloader(random_caches(8, seed=57), host_blocks=6) as second, \
+            kvoffload.Offloader(random_caches(8, seed=58), host_blocks=2) as named:
+        first.store({"a": 0}).result()
+        second.store({"a": 0, "b": 1}).result()
+        assert register(first, registry=registry) is register(second, registry=registry)  # one collector per registry
+        register(named, name="gpu1", registry=registry)
+        get = registry.get_sample_value
+        block = first.layout.block_bytes
+        assert [get("kvoffload_slots", {"offloader": n, "tier": "host"}) for n in ("0", "1", "gpu1")] == [4, 6, 2]
+        assert [get("kvoffload_stored_bytes_total", {"offloader": n}) for n in ("0", "1", "gpu1")] == [block, 2 * block, 0]
+        assert get("kvoffload_transfers_total", {"offloader": "1", "kind": "store", "outcome": "done"}) == 1
+        # One family per name, as a Prometheus server's strict (OpenMetrics) parser requires.
+        families = list(text_string_to_metric_families(openmetrics_text(registry).decode()))
+        slots = next(f for f in families if f.name == "kvoffload_slots")
+        assert {(s.labels["offloader"], s.labels["tier"]) for s in slots.samples} == {
+            (n, t) for n in ("0", "1", "gpu1") for t in ("host", "disk")}
+        with pytest.raises(ValueError, match="gpu1"):
+            register(first, name="gpu1", registry=registry)  # a name is one offloader's
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(OffloaderCollector(first))  # a second collector would repeat every name
+
+
 def _documented_metric_names() -> set[str]:
     from pathlib import Path
 

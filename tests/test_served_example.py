@@ -3,7 +3,8 @@
 A client that hangs up while its load is held cancels that load; a request past its deadline gets
 504 once its transfer stopped; an overloaded host tier is answered 503 with Retry-After, never 500;
 a prefix evicted between lookup and load is recomputed; nothing stays pinned, pending or in flight,
-every cache block goes back, and the server still answers.
+every cache block goes back, and the server still answers. The example's own demo hangs up while
+the server loads a long prefix, and that load ends cancelled.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import re
 import socket
 import threading
 from pathlib import Path
@@ -115,6 +117,33 @@ def test_served_example_caches_prefixes_and_survives_hang_ups_and_deadlines(serv
         assert client.post("/generate", json={"tokens": tokens + [7]}).json() == {"blocks": 6, "hits": 6, "stored": 0}
         assert_nothing_leaked(service)
 
+
+def test_the_demo_shows_a_hang_up_cancelling_the_load_in_flight(capsys, faults):
+    # On CPU tensors, as above. The demo's load of 64 MiB outlasts the hang-up by far on an idle
+    # machine; so that a busy one cannot finish it first, its copies are held from the hang-up on
+    # until the server has given up on the request.
+    openers = []
+
+    def hold_loads_until_the_server_gave_up(service) -> None:
+        gate = faults.gate(service.off, "to_device")
+
+        def open_once_given_up() -> None:
+            try:
+                spin_until(lambda: service.abandoned["disconnect"] == 1, what="the server noticed the hang-up")
+            finally:
+                gate.open()
+
+        openers.append(threading.Thread(target=open_once_given_up))
+        openers[0].start()
+
+    asyncio.run(load_example()._demo(device="cpu", before_hang_up=hold_loads_until_the_server_gave_up))
+    openers[0].join()
+    out = capsys.readouterr().out
+    after = re.search(r"after a hang-up: (\d+) transfers in flight, (\d+) keys pinned, (\d+) cancelled", out)
+    assert after, out
+    in_flight, pinned, cancelled = map(int, after.groups())
+    assert cancelled >= 1 and (in_flight, pinned) == (0, 0), out
+    assert "still answers:" in out, out
 
 
 def blocks_of_tokens(n: int, seed: int) -> list[int]:

@@ -310,8 +310,6 @@ async def _measure_kind(
     before_threads = set(threading.enumerate())
     out: dict[str, dict[str, float]] = {}
     async with kvoffload.Offloader(caches, host_blocks=host_blocks) as off:
-        threads = [t for t in threading.enumerate()
-                   if t not in before_threads and t.name.startswith("kvoffload-") and t.name not in ("kvoffload-start", "kvoffload-close")]
         if loads:
             for s in range(key_sets):
                 await off.store({("k", s, j): j for j in range(kind.blocks)})
@@ -329,6 +327,9 @@ async def _measure_kind(
         for mode, depth in (("awaited one by one", 1), (f"{kind.depth} in flight", kind.depth)):
             run = functools.partial(_sequential, op) if depth == 1 else functools.partial(_in_flight, op, depth=depth)
             await run(max(8, kind.count // 10))  # warm-up
+            # after it: threads the offloader starts at its first transfers (a landing watcher) count too
+            threads = [t for t in threading.enumerate()
+                       if t not in before_threads and t.name.startswith("kvoffload-") and t.name not in ("kvoffload-start", "kvoffload-close")]
             rows = [await _measure_once(run, kind.count, threads, sleeps) for _ in range(repeats)]
             out[mode] = _median_rows(rows)
     return out
