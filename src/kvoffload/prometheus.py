@@ -199,6 +199,7 @@ def _remote_families(snapshots: list[tuple[str, OffloaderStats]]) -> Iterator[Me
         for event, value in (
             ("lookup_hit", s.remote_lookup_hits), ("hit", s.remote_hits), ("miss", s.remote_misses),
             ("bad_value", s.remote_bad_values), ("written", s.remote_writes), ("write_failed", s.remote_write_failures),
+            ("write_dropped", s.remote_writes_dropped),
         ):
             remote.add_metric([name, event], value)
         unavailable.add_metric([name], s.remote_unavailable)
