@@ -355,19 +355,23 @@ def test_alookup_under_trio(server):
         off.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tiers", ["host", "disk-only"])
 @pytest.mark.asyncio
-async def test_remote_hits_load_into_a_gpu_cache(server):
+async def test_remote_hits_load_into_a_gpu_cache(server, tmp_path, tiers):
     keys = [f"gpu{i}" for i in range(8)]
     store_and_close(server.url, keys)  # written from a CPU cache of the same geometry
-    off = kvoffload.Offloader(random_caches(BLOCKS, device="cuda", seed=99), host_blocks=BLOCKS, remote=server.url).start()
+    sizes = {"host_blocks": BLOCKS} if tiers == "host" else {"host_blocks": 0, "disk_path": str(tmp_path / "kv"), "disk_blocks": BLOCKS}
+    # disk-only: fetched into the load bounce buffer, written to disk and copied to the GPU at once
+    off = kvoffload.Offloader(random_caches(BLOCKS, device="cuda", seed=99), remote=server.url, chunk_bytes=3 * slot_bytes(), **sizes).start()
     try:
         assert await off.alookup(keys) == 8
         await off.load({k: 8 + i for i, k in enumerate(keys)})
         torch.cuda.synchronize()
         written = random_caches(BLOCKS, seed=SEED)
         assert all(same_block(off, 8 + i, written, i) for i in range(8))
-        await off.load({k: i for i, k in enumerate(keys)}, per_tensor=True)  # now host hits
+        await off.load({k: i for i, k in enumerate(keys)}, per_tensor=tiers == "host")  # now local hits
         assert all(same_block(off, i, written, i) for i in range(8))
     finally:
         off.close()
