@@ -114,10 +114,9 @@ class Options:
     """Start a third worker for ``load(..., expedited=True)``: small loads the caller waits for then
     queue behind no other load. Its copies are made by a kernel on high-priority streams that reads
     host memory directly, so they overtake a bulk load whose DMAs fill the copy engines' queue.
-    Costs one thread. Without it expedited loads run as others. GPU caches only: on CPU caches the
-    copies hold the GIL, so a third thread would wait for it behind the load worker's (7 ms
-    measured, where a one-block load run between the chunks of a bulk load on the load worker
-    takes 0.4 ms); expedited loads there take the load worker."""
+    Costs one thread. Without it expedited loads run as others. GPU caches only (on CPU caches
+    the copies hold the GIL, so a third thread would only wait behind the load worker's: expedited
+    loads there take the load worker; docs/design.md has the figures)."""
 
     promote: bool = True
     """A load of disk-resident keys leaves a copy of them in free host slots (never evicting

@@ -142,16 +142,13 @@ class Transfer:
         return True
 
     def result(self, timeout: float | None = None) -> TransferResult:
-        """Block the calling thread until the transfer ends and return its result.
+        """Block the calling thread until the transfer ends; returns its :class:`TransferResult`.
 
-        Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds,
-        :class:`TransferCancelled` if it was cancelled, or the transfer's error (each time
-        with the traceback of where it was raised); :class:`ClosedError` in a child forked
-        while it ran.
-        Do not call this on a running event loop: await the transfer instead.
-        Without a timeout, a GPU transfer is waited for asleep (the GIL released) until its copies
-        land, then ended in this thread: in the driver, or for a load of several chunks (which a
-        cancel ends sooner) on an alarm the driver rings after its last copy.
+        Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds (None: no limit),
+        :class:`TransferCancelled` if it was cancelled, or the transfer's error (each time with the
+        traceback of where it was raised); :class:`ClosedError` in a child forked while it ran.
+        Do not call this on a running event loop: await the transfer instead. The thread sleeps
+        with the GIL released (how a GPU transfer is waited for: docs/design.md).
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
