@@ -164,6 +164,23 @@ def test_a_one_copy_transfer_ends_when_it_lands_without_waking_the_worker(rig):
     assert steps.landings == [0] and steps.cleanups == 1 and len(steps.ends) == 1
 
 
+def test_a_burst_of_one_copy_transfers_costs_one_ring_and_each_ends_as_it_lands(rig):
+    """Transfers handed over while a ring is on its way enqueue none of their own; woken, the watcher
+    ends those that landed and rings again for the oldest still in flight, so each ends."""
+    rig.copier.flag = None
+    rig.hold()
+    started = [rig.start(chunks=1) for _ in range(3)]
+    events = [e for _, _, evs in started for e in evs]
+    assert [e.alarmed.is_set() for e in events] == [True, False, False]
+    events[0].complete()
+    events[1].complete()  # lands before the watcher looks: ended in the same sweep
+    assert started[0][0].exception(10) is None and started[1][0].exception(10) is None
+    assert not started[2][0].done() and events[2].alarmed.wait(10), "no ring for the transfer still in flight"
+    events[2].complete()
+    assert started[2][0].exception(10) is None
+    assert all(steps.cleanups == 1 for _, steps, _ in started)
+
+
 def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
     """A thread blocked in result() on a transfer that cannot end early (no cancel flag) sleeps until
     its last copy completes, then ends it: no wake-up from the worker needed (the worker is held)."""

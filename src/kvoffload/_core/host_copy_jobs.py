@@ -469,15 +469,27 @@ class LandingWatcher:
         self._alarm = take_alarm()  # OSError without semaphores: the caller falls back
         self._watched: list[HostCopyJob] = []
         self._lock = threading.Lock()
+        self._ring_pending = False
+        """A ring is on its way for the oldest watched job: jobs handed over meanwhile need none."""
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, job: HostCopyJob) -> None:
-        """(The caller's thread.) Follow ``job``, its one copy enqueued: ring the watcher once it lands."""
+        """(The caller's thread.) Follow ``job``, its one copy enqueued. Unless a ring is already on its
+        way (for an older job: the watcher, woken, rings again for the oldest job still in flight),
+        have the driver ring the watcher once this copy lands: a burst of transfers costs one ring."""
         assert job.copies is not None
         with self._lock:
             self._watched.append(job)
+            ring = not self._ring_pending
+            self._ring_pending = True
+        if ring:
+            self._ring_after(job)
+
+    def _ring_after(self, job: HostCopyJob) -> None:
+        """Have the driver ring the watcher once ``job``'s copy completes."""
+        assert job.copies is not None
         try:
             self._jobs.submitter.copier.ring_when_complete(job.copies.events[0], self._alarm)
         except Exception:  # a failed device: the watcher's next look finds the copy failed
@@ -495,9 +507,11 @@ class LandingWatcher:
                     log.exception("%s: ending landed jobs raised", self._thread.name)
 
     def _sweep(self) -> None:
-        """End every watched job whose copy has landed (or failed); keep the others."""
+        """End every watched job whose copy has landed (or failed); keep the others, and have the
+        driver ring again once the oldest of them lands."""
         with self._lock:
             watched = list(self._watched)
+            self._ring_pending = False  # the ring came (or the look is a recheck): watch() may ring again
         gone: set[int] = set()
         jobs = self._jobs
         for job in watched:
@@ -511,9 +525,14 @@ class LandingWatcher:
                 else:
                     jobs._land(job, 0, None, here=True)
             gone.add(id(job))
-        if gone:
-            with self._lock:
+        with self._lock:
+            if gone:
                 self._watched = [j for j in self._watched if id(j) not in gone]
+            oldest = self._watched[0] if self._watched and not self._ring_pending else None
+            if oldest is not None:
+                self._ring_pending = True
+        if oldest is not None:
+            self._ring_after(oldest)
 
     def stop(self) -> list[HostCopyJob]:
         """Stop the thread and give the alarm back; the jobs still watched, not yet taken, are
