@@ -21,7 +21,7 @@ import torch
 
 import kvoffload
 from conftest import Named, random_caches, same_bytes
-from kvoffload._core.index import BlockIndex
+from kvoffload._core.tiers.index import BlockIndex
 from kvoffload._testing import check_index
 
 BOUND_S = 5.0

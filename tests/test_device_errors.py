@@ -134,7 +134,7 @@ BLOCKS = 4  # two chunks of two blocks: a load of several chunks gets a cancel f
 
 
 def make_gpu_offloader(make_offloader, driver, completion: str = "poll", **opts):
-    from kvoffload._core.layout import BlockLayout
+    from kvoffload._core.base.layout import BlockLayout
 
     caches = random_caches(16, seed=3)
     slot = BlockLayout.of(caches).slot_bytes

@@ -26,7 +26,7 @@ import torch
 
 import kvoffload
 from kvoffload._core import runtime as runtime_module
-from kvoffload._core.hostmem import HostBuffer
+from kvoffload._core.tiers.hostmem import HostBuffer
 from kvoffload._testing import copy_calls, disk_file_stat, disk_io
 from conftest import kvoffload_threads, random_caches
 

@@ -20,8 +20,8 @@ import pytest
 
 import kvoffload
 from conftest import block_bytes, random_caches
-from kvoffload._core.cache_identity import decode_key
-from kvoffload._core.persistent_format import HEADER_BYTES, FileHeader, SlotHeader
+from kvoffload._core.base.cache_identity import decode_key
+from kvoffload._core.base.persistent_format import HEADER_BYTES, FileHeader, SlotHeader
 from kvoffload._core.tiers.persistent_slots import PersistentSlots
 from kvoffload._testing import disk_file_stat
 

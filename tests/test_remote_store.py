@@ -18,9 +18,9 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 
 from kvoffload import OffloadError
-from kvoffload._core.cache_identity import encode_key
-from kvoffload._core.errors import ClosedError
-from kvoffload._core.remote import RedisStore, RemoteStore, RemoteUnavailableError, pack_value
+from kvoffload._core.base.cache_identity import encode_key
+from kvoffload._core.base.errors import ClosedError
+from kvoffload._core.tiers.remote import RedisStore, RemoteStore, RemoteUnavailableError, pack_value
 from redis_servers import RedisServer, TcpProxy, binaries, cluster, free_port, redis_server  # binaries, cluster: fixtures
 
 pytestmark = pytest.mark.timeout(60)

@@ -308,7 +308,7 @@ async def test_close_drops_writes_it_cannot_wait_for_and_their_pins(server):
 
 @pytest.mark.asyncio
 async def test_a_bad_value_on_the_server_fails_the_load_never_a_wrong_block(server):
-    from kvoffload._core.cache_identity import encode_key
+    from kvoffload._core.base.cache_identity import encode_key
 
     store_and_close(server.url, ["v0", "v1"])
     off = reader(server.url)
@@ -547,7 +547,7 @@ def test_remote_write_modes_are_checked():
 
 @pytest.mark.parametrize("write, disk, staged", [("through", True, True), ("through", False, False), ("evict", False, True), ("none", True, False)])
 def test_the_remote_staging_buffer_is_in_the_footprint(monkeypatch, tmp_path, write, disk, staged):
-    from kvoffload._core import hostmem
+    from kvoffload._core.tiers import hostmem
     from kvoffload._core.runtime import Footprint
 
     allocated: list[int] = []

@@ -32,7 +32,7 @@ import pytest
 
 import kvoffload
 from conftest import Named, random_caches, report_figure, same_bytes
-from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, Reservation, State
+from kvoffload._core.tiers.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
 
 # -- transitions, one by one ------------------------------------------------------------------
