@@ -24,6 +24,15 @@ from ._core.base.options import Options
 from ._core.tiers.stats import LatencyHistogram
 from ._core.workers.transfer import Transfer, TransferResult
 
+# Not public (no name in __all__): helpers kvoffload's own integrations need (kvoffload.vllm), taken
+# from here so that this module and kvoffload._testing are the only ones outside _core to import it.
+from ._core.base import layout as _layout
+from ._core.base import options as _options
+
+_slot_bytes_for = _layout.slot_bytes_for
+_parse_size = _options.parse_size
+del _layout, _options
+
 __all__ = [
     "Offloader",
     "Lease",
