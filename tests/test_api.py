@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from support.caches import block_bytes, random_caches
 
 
 def test_public_names_importable():

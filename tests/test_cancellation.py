@@ -8,7 +8,9 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import NotingCancel, StandInCopier, StandInEvent, StandInFlag, check_every_visible_key, random_caches, same_bytes
+from support.caches import check_every_visible_key, random_caches, same_bytes
+from support.interrupts import NotingCancel
+from support.standins import StandInCopier, StandInEvent, StandInFlag
 
 
 def one_block_chunks(caches) -> int:

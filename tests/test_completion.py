@@ -12,7 +12,8 @@ import pytest
 
 import kvoffload
 import kvoffload._core.workers.copy_submission
-from conftest import HANG_S, StandInCopier, StandInEvent, StandInFlag, spin_until
+from support.standins import StandInCopier, StandInEvent, StandInFlag
+from support.waiting import HANG_S, spin_until
 
 
 class _PublishingSteps:

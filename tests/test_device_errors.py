@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import HANG_S, StandInDriver, StandInFlag, block_bytes, random_caches, spin_until
+from support.caches import block_bytes, random_caches
+from support.standins import StandInDriver, StandInFlag
+from support.waiting import HANG_S, spin_until
 
 ILLEGAL_ADDRESS = StandInDriver.ILLEGAL_ADDRESS
 

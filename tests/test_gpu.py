@@ -10,7 +10,7 @@ import torch
 
 import kvoffload
 from kvoffload._testing import pinned_buffers
-from conftest import check_every_visible_key, random_caches, same_bytes
+from support.caches import check_every_visible_key, random_caches, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

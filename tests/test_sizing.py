@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, kvoffload_threads, random_caches
+from support.caches import block_bytes, random_caches
+from support.process import kvoffload_threads
 from kvoffload._core.tiers import hostmem
 from kvoffload._testing import disk_file_stat
 from kvoffload._core.cuda import driver

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import pytest
 
 import kvoffload
-from conftest import Named, random_caches, report_figure, same_bytes
+from support.caches import random_caches, same_bytes
+from support.figures import report_figure
+from support.keys import Named
 from kvoffload._core.tiers.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
 

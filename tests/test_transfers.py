@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, random_caches, same_bytes
+from support.caches import block_bytes, random_caches, same_bytes
 from kvoffload._testing import copy_calls
 
 
