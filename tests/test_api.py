@@ -3,9 +3,11 @@ semantics, LRU eviction and capacity. (Malformed calls, caches and options: test
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import gc
 import inspect
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from support.caches import block_bytes, random_caches
 
 
 def test_public_names_importable():
@@ -202,3 +204,76 @@ def test_stats_after_close_keep_every_counter_and_report_no_slot_in_use(make_off
     for f in dataclasses.fields(closed):
         if f.name != "latency":
             assert getattr(closed, f.name) == (0 if f.name in in_use else getattr(live, f.name)), f.name
+
+
+SRC = pathlib.Path(kvoffload.__file__).parent
+CORE = SRC / "_core"
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """The absolute names of the modules a file imports, lazy imports included."""
+    package = "kvoffload." + ".".join(path.relative_to(SRC).parent.parts) if path.parent != SRC else "kvoffload"
+    package = package.rstrip(".")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_only_the_package_and_testing_import_the_private_core():
+    allowed = {SRC / "__init__.py", SRC / "_testing.py"}
+    offenders = [
+        str(path.relative_to(SRC)) for path in sorted(SRC.rglob("*.py"))
+        if CORE not in path.parents and path not in allowed
+        and any(name == "kvoffload._core" or name.startswith("kvoffload._core.") for name in _imported_modules(path))
+    ]
+    assert offenders == [], f"import kvoffload._core outside it (take public names from kvoffload): {offenders}"
+
+
+def test_core_imports_go_one_way_between_its_layers():
+    layers = ["", "tiers", "workers", "cuda", "base"]  # the facade (_core/ top) first, the primitives last
+
+    def layer(module: str) -> int:
+        parts = module.split(".")[2:]  # below kvoffload._core
+        return layers.index(parts[0]) if parts and parts[0] in layers else 0
+
+    upward = []
+    for path in sorted(CORE.rglob("*.py")):
+        module = "kvoffload." + ".".join(path.relative_to(SRC).with_suffix("").parts)
+        for name in _imported_modules(path):
+            if name.startswith("kvoffload._core.") and layer(name) < layer(module):
+                upward.append(f"{module} -> {name}")
+    assert upward == [], upward
+
+
+def test_the_map_in_design_md_is_the_tree_of_core():
+    design = (SRC.parents[1] / "docs" / "design.md").read_text()
+    shape = design[design.index("## Shape"):design.index("\n## ", design.index("## Shape") + 1)]
+    block = shape[shape.index("```\n_core/") + 4:]
+    block = block[:block.index("```")]
+    mapped: set[str] = set()
+    folders: list[str] = []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith(" " * 20):
+            continue  # a description's second line
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        folders[depth:] = []
+        if name.endswith("/"):
+            folders.append(name)
+            mapped.add("".join(folders))
+        else:
+            assert name.endswith(".py"), line
+            mapped.add("".join(folders) + name)
+    modules = list(CORE.rglob("*.py"))  # folders without one (__pycache__ left by a move) are no package
+    tree = {str(path.parent.relative_to(SRC)) + "/" for path in modules if path.name == "__init__.py"}
+    tree |= {str(path.relative_to(SRC)) for path in modules if path.name != "__init__.py"}
+    assert mapped == tree, f"in the map only: {sorted(mapped - tree)}; in the tree only: {sorted(tree - mapped)}"

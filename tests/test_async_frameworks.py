@@ -15,7 +15,8 @@ import anyio
 import pytest
 
 import kvoffload
-from conftest import NotingCancel, random_caches, same_bytes
+from support.caches import random_caches, same_bytes
+from support.interrupts import NotingCancel
 
 
 def snapshot(caches):

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvoffload
-from conftest import kvoffload_threads, random_caches, same_bytes
+from support.caches import random_caches, same_bytes
+from support.process import kvoffload_threads
 
 NUM_BLOCKS = 32
 STORED = [("s", i) for i in range(8)]  # stored from blocks 0..7 before the tests

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import Named, random_caches, same_bytes
-from kvoffload._core.index import BlockIndex
+from support.caches import random_caches, same_bytes
+from support.keys import Named
+from kvoffload._core.tiers.index import BlockIndex
 from kvoffload._testing import check_index
 
 BOUND_S = 5.0

@@ -8,7 +8,9 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import NotingCancel, StandInCopier, StandInEvent, StandInFlag, check_every_visible_key, random_caches, same_bytes
+from support.caches import check_every_visible_key, random_caches, same_bytes
+from support.interrupts import NotingCancel
+from support.standins import StandInCopier, StandInEvent, StandInFlag
 
 
 def one_block_chunks(caches) -> int:
@@ -180,10 +182,10 @@ class _Steps:
 def _worker_with_flag(flag: StandInFlag):
     import torch
 
-    from kvoffload._core.copy_submission import CopyCalls, CopyRequest, HandOver
-    from kvoffload._core.host_copy_jobs import HostCopyJob
+    from kvoffload._core.workers.copy_submission import CopyCalls, CopyRequest, HandOver
+    from kvoffload._core.workers.host_copy_jobs import HostCopyJob
     from kvoffload._core.runtime import start_copy_worker
-    from kvoffload._core.transfer import TransferControl
+    from kvoffload._core.workers.transfer import TransferControl
 
     copier = StandInCopier(flag)
     worker = start_copy_worker("load", "kvoffload-test-load", copier, CopyCalls(), completion="poll")

@@ -17,7 +17,8 @@ import weakref
 import pytest
 
 import kvoffload
-from conftest import open_fds, random_caches
+from support.caches import random_caches
+from support.process import open_fds
 
 # -- event loops that awaited a transfer -------------------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 import kvoffload
 from kvoffload._core.tiers.tiered_storage import TieredStorage
 
-from conftest import random_caches
+from support.caches import random_caches
 
 BOUND_S = 10.0
 """Far more than any close here needs: only a hang exceeds it."""

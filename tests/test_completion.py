@@ -11,8 +11,9 @@ import threading
 import pytest
 
 import kvoffload
-import kvoffload._core.copy_submission
-from conftest import HANG_S, StandInCopier, StandInEvent, StandInFlag, spin_until
+import kvoffload._core.workers.copy_submission
+from support.standins import StandInCopier, StandInEvent, StandInFlag
+from support.waiting import HANG_S, spin_until
 
 
 class _PublishingSteps:
@@ -45,7 +46,7 @@ class _Rig:
     """A worker loop with the stand-in copier; :meth:`hold` keeps its thread busy until released."""
 
     def __init__(self) -> None:
-        from kvoffload._core.copy_submission import CopyCalls
+        from kvoffload._core.workers.copy_submission import CopyCalls
         from kvoffload._core.runtime import start_copy_worker
 
         self.copier = StandInCopier(StandInFlag(raise_lands_at_once=True))
@@ -72,15 +73,15 @@ class _Rig:
         """Copies of ``chunks`` chunks of 4 blocks into the cache."""
         import torch
 
-        from kvoffload._core.copy_submission import CopyRequest
+        from kvoffload._core.workers.copy_submission import CopyRequest
 
         host = torch.zeros((4 * chunks, 16), dtype=torch.uint8)
         return [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
 
     def start(self, chunks: int = 3):
-        from kvoffload._core.copy_submission import HandOver
-        from kvoffload._core.host_copy_jobs import HostCopyJob
-        from kvoffload._core.transfer import TransferControl
+        from kvoffload._core.workers.copy_submission import HandOver
+        from kvoffload._core.workers.host_copy_jobs import HostCopyJob
+        from kvoffload._core.workers.transfer import TransferControl
 
         requests = self.requests(chunks)
         steps = _PublishingSteps()
@@ -396,7 +397,7 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
         requests, submitted, after = rig.requests(3), 0, object()
     lander = _land_once_settled(rig.copier, submitted) if submitted else None
     with pytest.raises(KeyboardInterrupt):
-        rig.worker.submitter.enqueue(requests, after, kvoffload._core.copy_submission.HandOver())
+        rig.worker.submitter.enqueue(requests, after, kvoffload._core.workers.copy_submission.HandOver())
     complete_when_raised = [e.query() for e in rig.copier.events]
     flag_back_when_raised = rig.copier.flag.released.is_set()
     if lander is not None:
@@ -411,9 +412,9 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, 
     """An interrupt in ``host_jobs.start``/``tasks.start`` after the job was posted: ``abandon`` either takes
     the transfer back (its copies completed, its flag back) and ends it, or leaves it to the worker,
     which ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
-    from kvoffload._core.copy_submission import HandOver
-    from kvoffload._core.host_copy_jobs import HostCopyJob
-    from kvoffload._core.transfer import TransferControl
+    from kvoffload._core.workers.copy_submission import HandOver
+    from kvoffload._core.workers.host_copy_jobs import HostCopyJob
+    from kvoffload._core.workers.transfer import TransferControl
 
     steps = _PublishingSteps()
     control = TransferControl("load")

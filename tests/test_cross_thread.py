@@ -13,8 +13,8 @@ import weakref
 
 import pytest
 
-from kvoffload._core.cross_thread import Alarm, give_back_alarm, mailbox_of, resolve, take_alarm
-from kvoffload._core.worker_loop import WorkerLoop
+from kvoffload._core.base.cross_thread import Alarm, give_back_alarm, mailbox_of, resolve, take_alarm
+from kvoffload._core.workers.worker_loop import WorkerLoop
 
 
 def test_posts_from_many_threads_each_run_once_in_each_threads_order():

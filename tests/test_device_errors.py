@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import HANG_S, StandInDriver, StandInFlag, block_bytes, random_caches, spin_until
+from support.caches import block_bytes, random_caches
+from support.standins import StandInDriver, StandInFlag
+from support.waiting import HANG_S, spin_until
 
 ILLEGAL_ADDRESS = StandInDriver.ILLEGAL_ADDRESS
 
@@ -134,7 +136,7 @@ BLOCKS = 4  # two chunks of two blocks: a load of several chunks gets a cancel f
 
 
 def make_gpu_offloader(make_offloader, driver, completion: str = "poll", **opts):
-    from kvoffload._core.layout import BlockLayout
+    from kvoffload._core.base.layout import BlockLayout
 
     caches = random_caches(16, seed=3)
     slot = BlockLayout.of(caches).slot_bytes

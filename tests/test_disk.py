@@ -12,7 +12,7 @@ import time
 import pytest
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from support.caches import random_caches, same_bytes
 from kvoffload._testing import disk_file_stat, uses_o_direct
 
 

@@ -27,7 +27,7 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from support.caches import block_bytes, random_caches
 
 
 def open_disk(path, caches=None, persist=True):
@@ -154,7 +154,7 @@ def test_a_file_another_process_holds_is_refused(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, kvoffload
-            from conftest import random_caches
+            from support.caches import random_caches
             off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8, persist=True).start()
             off.store({"k": 1}).result(10)
             print("ready", flush=True)
@@ -290,7 +290,7 @@ def test_a_process_killed_without_persistence_leaves_no_file(tmp_path, sig):
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, kvoffload
-            from conftest import random_caches
+            from support.caches import random_caches
             off = kvoffload.Offloader(random_caches(8), host_blocks=0, disk_path=sys.argv[1], disk_blocks=8).start()
             off.store({"k": 1}).result(10)
             print("ready", flush=True)

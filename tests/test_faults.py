@@ -37,7 +37,9 @@ from collections import Counter
 import pytest
 
 import kvoffload
-from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
+from support.caches import random_caches, same_bytes
+from support.figures import report_figure
+from support.process import kvoffload_threads
 
 SLOW_S = 0.01
 
@@ -232,7 +234,8 @@ def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path, exc):
     proc = run_script(f"""
         import kvoffload
-        from conftest import Faults, random_caches
+        from support.caches import random_caches
+        from support.faults import Faults
 
         caches = random_caches(16, seed=5)
         faults = Faults()
@@ -258,7 +261,7 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
 def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
     proc = run_script(f"""
         import errno, torch, kvoffload
-        from conftest import Faults
+        from support.faults import Faults
 
         caches = {{"kv": torch.randint(0, 255, (16, 4096), dtype=torch.uint8)}}
         off = kvoffload.Offloader(caches, host_blocks=0, disk_path={str(tmp_path / "kv")!r}, disk_blocks=8).start()

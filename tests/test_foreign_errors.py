@@ -17,7 +17,7 @@ import errno
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from support.caches import block_bytes, random_caches
 from kvoffload._testing import copy_calls, disk_io
 
 

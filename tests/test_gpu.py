@@ -10,7 +10,7 @@ import torch
 
 import kvoffload
 from kvoffload._testing import pinned_buffers
-from conftest import check_every_visible_key, random_caches, same_bytes
+from support.caches import check_every_visible_key, random_caches, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,7 +51,7 @@ async def test_strided_views_round_trip_on_the_gpu(monkeypatch, engine, blocks):
     """A (2, num_blocks, ...) K/V tensor transposed (two pieces per block, 80-byte pieces: not
     16-byte aligned) beside every other row of a larger buffer (blocks two rows apart)."""
     if engine == "torch":
-        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
+        monkeypatch.setattr("kvoffload._core.cuda.cuda_copier.piece_kernel", lambda device_index: None)
     g = torch.Generator().manual_seed(blocks)
     kv = torch.randint(-2**15, 2**15, (2, 600, 4, 10), generator=g, dtype=torch.int16).cuda()
     wide = torch.randint(-2**31, 2**31, (1200, 33), generator=g, dtype=torch.int32).cuda()
@@ -108,7 +108,7 @@ async def test_per_tensor_loads_of_any_layout_are_exact(monkeypatch, engine):
     rows of a wider buffer, more blocks than one launch takes, in random order: every tensor
     lands byte for byte, each by its own event, and nothing outside the views is written."""
     if engine == "DMA":
-        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
+        monkeypatch.setattr("kvoffload._core.cuda.cuda_copier.piece_kernel", lambda device_index: None)
     g = torch.Generator().manual_seed(7)
     kv = torch.randint(-2**15, 2**15, (2, 1200, 4, 10), generator=g, dtype=torch.int16).cuda()
     wide = torch.randint(-2**31, 2**31, (2400, 33), generator=g, dtype=torch.int32).cuda()
@@ -147,7 +147,7 @@ def test_the_copy_kernel_compiles_with_nvrtc():
 async def test_round_trip_of_more_blocks_than_one_launch_takes(monkeypatch, engine):
     # 2,500 blocks of odd-sized pieces in one chunk: three kernel launches per gather and per scatter.
     if engine == "torch":  # the fallback where NVRTC is unavailable
-        monkeypatch.setattr("kvoffload._core.cuda.block_copy.piece_kernel", lambda device_index: None)
+        monkeypatch.setattr("kvoffload._core.cuda.cuda_copier.piece_kernel", lambda device_index: None)
     caches = gpu_caches(3000, seed=4)
     orig = {n: t.clone() for n, t in caches.items()}
     g = torch.Generator().manual_seed(2)
@@ -246,7 +246,7 @@ async def test_load_waits_for_callers_stream():
 @pytest.mark.asyncio
 async def test_ordering_tests_fail_without_the_wait(monkeypatch):
     """The two tests above can fail: with the wait on the caller's stream removed, both see the race."""
-    from kvoffload._core.cuda.block_copy import CudaBlockCopier
+    from kvoffload._core.cuda.cuda_copier import CudaBlockCopier
 
     monkeypatch.setattr(CudaBlockCopier, "wait_for", lambda self, event: None)
     assert not await store_right_after_kernel_write()

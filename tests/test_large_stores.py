@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import random_caches, same_bytes
+from support.caches import random_caches, same_bytes
 
 HOST, DISK, N = 16, 256, 100
 NUM_BLOCKS = 128

@@ -9,7 +9,9 @@ import gc
 import pytest
 
 import kvoffload
-from conftest import block_bytes, interrupter, random_caches, wait_for_transfers_to_end
+from support.caches import block_bytes, random_caches
+from support.interrupts import interrupter
+from support.waiting import wait_for_transfers_to_end
 
 NUM_BLOCKS = 64
 HOST = 8

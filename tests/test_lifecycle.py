@@ -26,9 +26,10 @@ import torch
 
 import kvoffload
 from kvoffload._core import runtime as runtime_module
-from kvoffload._core.hostmem import HostBuffer
+from kvoffload._core.tiers.hostmem import HostBuffer
 from kvoffload._testing import copy_calls, disk_file_stat, disk_io
-from conftest import kvoffload_threads, random_caches
+from support.caches import random_caches
+from support.process import kvoffload_threads
 
 
 def disk_file_identity(off: kvoffload.Offloader) -> tuple[int, int]:
@@ -53,7 +54,7 @@ SCRIPT_PRELUDE = """
 import asyncio, gc, os, sys, threading, time
 import kvoffload
 from kvoffload._testing import copy_calls, disk_file_stat, disk_io
-from conftest import random_caches
+from support.caches import random_caches
 """ + inspect.getsource(disk_file_identity) + inspect.getsource(disk_file_open) + """
 
 def kv_threads():
@@ -76,7 +77,7 @@ def gate_copies(off, direction="to_host"):
 
 
 def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``SCRIPT_PRELUDE + code`` in a fresh interpreter (conftest importable)."""
+    """Run ``SCRIPT_PRELUDE + code`` in a fresh interpreter (tests/support importable)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
         [sys.executable, "-c", SCRIPT_PRELUDE + textwrap.dedent(code)],

@@ -12,7 +12,7 @@ import errno
 import pytest
 
 import kvoffload
-from conftest import random_caches
+from support.caches import random_caches
 
 
 @pytest.mark.asyncio

@@ -55,8 +55,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvoffload
 from kvoffload._testing import disk_io
-from conftest import kvoffload_threads, random_caches, report_figure, same_bytes
-from kvoffload._core.block_copy import CpuBlockCopier
+from support.caches import random_caches, same_bytes
+from support.figures import report_figure
+from support.process import kvoffload_threads
+from kvoffload._core.workers.copier import CpuBlockCopier
 
 SOAK = os.environ.get("KVOFFLOAD_SOAK", "") not in ("", "0")
 MAX_EXAMPLES = int(os.environ.get("KVOFFLOAD_SOAK_EXAMPLES", "2000")) if SOAK else 300

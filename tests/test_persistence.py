@@ -19,9 +19,9 @@ import threading
 import pytest
 
 import kvoffload
-from conftest import block_bytes, random_caches
-from kvoffload._core.cache_identity import decode_key
-from kvoffload._core.persistent_format import HEADER_BYTES, FileHeader, SlotHeader
+from support.caches import block_bytes, random_caches
+from kvoffload._core.base.cache_identity import decode_key
+from kvoffload._core.base.persistent_format import HEADER_BYTES, FileHeader, SlotHeader
 from kvoffload._core.tiers.persistent_slots import PersistentSlots
 from kvoffload._testing import disk_file_stat
 
@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     import kvoffload
     from kvoffload._core.tiers import persistent_slots
-    from conftest import random_caches
+    from support.caches import random_caches
 
     path, host_blocks, disk_blocks, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     kill_at = os.environ.get("KILL_AT", "")

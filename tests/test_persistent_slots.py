@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload._core.cache_identity import CacheIdentity
-from kvoffload._core.diskfile import DiskFile
-from kvoffload._core.layout import BlockLayout
-from kvoffload._core.persistent_format import HEADER_BYTES, Checkpoint, FileHeader
+from kvoffload._core.base.cache_identity import CacheIdentity
+from kvoffload._core.base.diskfile import DiskFile
+from kvoffload._core.base.layout import BlockLayout
+from kvoffload._core.base.persistent_format import HEADER_BYTES, Checkpoint, FileHeader
 from kvoffload._core.tiers.persistent_slots import PersistentSlots
 
 SLOTS = 16

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, interrupter, random_caches, same_bytes, wait_for_transfers_to_end
+from support.caches import block_bytes, random_caches, same_bytes
+from support.interrupts import interrupter
+from support.waiting import wait_for_transfers_to_end
 from kvoffload._testing import check_index, pinned_buffers
 
 NUM_BLOCKS = 64

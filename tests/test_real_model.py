@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import NotingCancel
+from support.interrupts import NotingCancel
 
 pytest.importorskip("transformers")
 

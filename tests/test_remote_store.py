@@ -1,5 +1,5 @@
 """The remote store on real Redis servers: a standalone server and a three-node cluster on
-127.0.0.1 (tests/redis_servers.py starts them, installing redis-server if it can; the tests skip
+127.0.0.1 (tests/support/redis_servers.py starts them, installing redis-server if it can; the tests skip
 only when it can neither be found nor installed)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 
 from kvoffload import OffloadError
-from kvoffload._core.cache_identity import encode_key
-from kvoffload._core.errors import ClosedError
-from kvoffload._core.remote import RedisStore, RemoteStore, RemoteUnavailableError, pack_value
-from redis_servers import RedisServer, TcpProxy, binaries, cluster, free_port, redis_server  # binaries, cluster: fixtures
+from kvoffload._core.base.cache_identity import encode_key
+from kvoffload._core.base.errors import ClosedError
+from kvoffload._core.tiers.remote import RedisStore, RemoteStore, RemoteUnavailableError, pack_value
+from support.redis_servers import RedisServer, TcpProxy, binaries, cluster, free_port, redis_server  # binaries, cluster: fixtures
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 offloaders of different processes, byte-exact; ``alookup`` counts; remote hits loaded become local
 hits; keys gone from the server, servers dying mid-load and coming back; background writes waited
 for by ``close()``; a three-node cluster; identities that never share blocks; keys refused at the
-call. tests/redis_servers.py starts the servers (installing redis-server if it can; the tests skip
+call. tests/support/redis_servers.py starts the servers (installing redis-server if it can; the tests skip
 only when it can neither be found nor installed)."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, random_caches
+from support.caches import block_bytes, random_caches
 from kvoffload import TransferError
-from redis_servers import TcpProxy, binaries, cluster, redis_server  # binaries, cluster: fixtures
+from support.redis_servers import TcpProxy, binaries, cluster, redis_server  # binaries, cluster: fixtures
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +61,7 @@ def same_block(off: kvoffload.Offloader, block: int, source: dict, source_block:
 CHILD = textwrap.dedent("""
     import sys
     import kvoffload
-    from conftest import random_caches
+    from support.caches import random_caches
     url, count = sys.argv[1], int(sys.argv[2])
     off = kvoffload.Offloader(random_caches(16, seed=7), host_blocks=16, remote=url, fingerprint="model-a").start()
     off.store({f"p{i}": i for i in range(count)}).result(10)
@@ -308,7 +308,7 @@ async def test_close_drops_writes_it_cannot_wait_for_and_their_pins(server):
 
 @pytest.mark.asyncio
 async def test_a_bad_value_on_the_server_fails_the_load_never_a_wrong_block(server):
-    from kvoffload._core.cache_identity import encode_key
+    from kvoffload._core.base.cache_identity import encode_key
 
     store_and_close(server.url, ["v0", "v1"])
     off = reader(server.url)
@@ -551,7 +551,7 @@ def test_remote_write_modes_are_checked():
 
 @pytest.mark.parametrize("write, disk, staged", [("through", True, True), ("through", False, False), ("evict", False, True), ("none", True, False)])
 def test_the_remote_staging_buffer_is_in_the_footprint(monkeypatch, tmp_path, write, disk, staged):
-    from kvoffload._core import hostmem
+    from kvoffload._core.tiers import hostmem
     from kvoffload._core.runtime import Footprint
 
     allocated: list[int] = []

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from conftest import block_bytes, random_caches, same_bytes
+from support.caches import block_bytes, random_caches, same_bytes
 from kvoffload.bench import seed_baseline
 from kvoffload.bench.seed_baseline import DiskBaseline, HostBaseline
 

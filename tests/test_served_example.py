@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import spin_until
+from support.waiting import spin_until
 
 pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")

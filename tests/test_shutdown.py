@@ -28,7 +28,11 @@ import pytest
 import kvoffload
 import torch
 
-from conftest import kvoffload_threads, open_fds, random_caches, report_figure, rss_bytes
+from support.caches import random_caches
+
+from support.figures import report_figure
+
+from support.process import kvoffload_threads, open_fds, rss_bytes
 
 SHUTDOWN_BOUND_S = 10.0
 SLOW_IO_S = 0.003
@@ -226,7 +230,7 @@ def test_close_from_a_coroutine_releases_everything(tmp_path, how):
 import asyncio, gc, os, threading
 import kvoffload
 from kvoffload._testing import disk_file_stat
-from conftest import random_caches
+from support.caches import random_caches
 
 def open_on(st):
     '''True while a file descriptor of this process is open on the file ``st`` describes.'''

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, kvoffload_threads, random_caches
-from kvoffload._core import hostmem
+from support.caches import block_bytes, random_caches
+from support.process import kvoffload_threads
+from kvoffload._core.tiers import hostmem
 from kvoffload._testing import disk_file_stat
 from kvoffload._core.cuda import driver
-from kvoffload._core.index import BlockIndex
+from kvoffload._core.tiers.index import BlockIndex
 from kvoffload._core.tiers.tiered_storage import TieredStorage
 
 SLOT = 4096  # random_caches' slot size

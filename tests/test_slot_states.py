@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import pytest
 
 import kvoffload
-from conftest import Named, random_caches, report_figure, same_bytes
-from kvoffload._core.index import DISK, HOST, BlockIndex, Pin, Reservation, State
+from support.caches import random_caches, same_bytes
+from support.figures import report_figure
+from support.keys import Named
+from kvoffload._core.tiers.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
 
 # -- transitions, one by one ------------------------------------------------------------------

@@ -34,7 +34,9 @@ from collections import Counter
 import pytest
 
 import kvoffload
-from conftest import random_caches, report_figure, same_bytes, spin_until
+from support.caches import random_caches, same_bytes
+from support.figures import report_figure
+from support.waiting import spin_until
 
 SOURCES = 64  # key ("k", b) is always stored from block b (never written), so its bytes are fixed
 WORKER_DEST = 8  # each worker loads into its own 8 blocks after the sources

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvoffload
-from conftest import block_bytes, random_caches, same_bytes
+from support.caches import block_bytes, random_caches, same_bytes
 from kvoffload._testing import copy_calls
 
 
@@ -95,7 +95,7 @@ async def test_one_block_transfers_handed_over_together_share_their_copies(fault
 async def test_a_failure_ordering_after_the_callers_stream_fails_the_transfer_and_leaks_nothing(monkeypatch):
     """If recording the caller's stream position fails (a failed device), store() and load() still
     return a transfer; it fails with TransferError, and its slots and pins go back."""
-    from kvoffload._core.block_copy import CpuBlockCopier
+    from kvoffload._core.workers.copier import CpuBlockCopier
 
     caches = random_caches(8, seed=21)
     async with kvoffload.Offloader(caches, host_blocks=4) as off:

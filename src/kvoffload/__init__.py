@@ -8,7 +8,7 @@ The implementation lives in the private ``kvoffload._core`` package; everything
 public is re-exported here and reports ``kvoffload`` as its module.
 """
 
-from ._core.errors import (
+from ._core.base.errors import (
     CapacityError,
     ClosedError,
     CloseError,
@@ -18,11 +18,20 @@ from ._core.errors import (
     TransferCancelled,
     TransferError,
 )
-from ._core.layout import BlockLayout
+from ._core.base.layout import BlockLayout
 from ._core.offloader import Lease, Offloader, OffloaderStats
-from ._core.options import Options
-from ._core.stats import LatencyHistogram
-from ._core.transfer import Transfer, TransferResult
+from ._core.base.options import Options
+from ._core.tiers.stats import LatencyHistogram
+from ._core.workers.transfer import Transfer, TransferResult
+
+# Not public (no name in __all__): helpers kvoffload's own integrations need (kvoffload.vllm), taken
+# from here so that this module and kvoffload._testing are the only ones outside _core to import it.
+from ._core.base import layout as _layout
+from ._core.base import options as _options
+
+_slot_bytes_for = _layout.slot_bytes_for
+_parse_size = _options.parse_size
+del _layout, _options
 
 __all__ = [
     "Offloader",

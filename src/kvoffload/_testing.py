@@ -18,9 +18,9 @@ import asyncio
 import os
 
 from ._core.cuda.events import CompletionBridge, make_bridge
-from ._core.diskfile import IoCalls
-from ._core.hostmem import HostBuffer
-from ._core.copy_submission import CopyCalls
+from ._core.base.diskfile import IoCalls
+from ._core.tiers.hostmem import HostBuffer
+from ._core.workers.copy_submission import CopyCalls
 from ._core.offloader import Offloader
 
 __all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "pinned_buffers", "check_index", "completion_bridge",

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ._core.offloader import Offloader
+from . import Offloader
 
 __all__ = ["run_demo"]
 

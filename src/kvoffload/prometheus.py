@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
-from ._core.offloader import Offloader, OffloaderStats
+from . import Offloader, OffloaderStats
 
 __all__ = ["OffloaderCollector", "register"]
 

@@ -96,8 +96,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, Transfer
-from ._core.layout import slot_bytes_for
-from ._core.options import parse_size
+from . import _parse_size as parse_size
+from . import _slot_bytes_for as slot_bytes_for
 
 __all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
 

@@ -12,18 +12,18 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .deadline import Deadline, check_seconds, check_timeout
-from .errors import ClosedError, CloseError, StartError
-from .helper_threads import HelperThread, run_off_loop
-from .index import BlockIndex, Pin
-from .layout import BlockLayout, check_block_mapping
-from .options import Options, TierSlots, format_size
+from .base.deadline import Deadline, check_seconds, check_timeout
+from .base.errors import ClosedError, CloseError, StartError
+from .base.helper_threads import HelperThread, run_off_loop
+from .tiers.index import BlockIndex, Pin
+from .base.layout import BlockLayout, check_block_mapping
+from .base.options import Options, TierSlots, format_size
 from .runtime import Runtime, finalize_runtime, process_generation
-from .stats import OffloaderStats, TierCounts, TransferCounters
-from .cache_identity import encode_key
+from .tiers.stats import OffloaderStats, TierCounts, TransferCounters
+from .base.cache_identity import encode_key
 from .tiers.remote_tier import RemoteCounts
 from .tiers.tiered_storage import TieredStorage
-from .transfer import Transfer
+from .workers.transfer import Transfer
 
 __all__ = ["Offloader", "OffloaderStats", "Lease"]
 

@@ -22,19 +22,19 @@ from typing import Literal
 import torch
 
 from .cuda.events import CompletionBridge, make_bridge
-from .deadline import Deadline
-from .errors import CloseError
-from .helper_threads import HelperThread, on_worker_thread, process_generation
-from .copy_submission import CopyCalls
-from .copy_worker import CopyWorker, CopyWorkers
-from .layout import BlockLayout
-from .worker_loop import WorkerLoop
-from .block_copy import BlockCopier, make_block_copier
-from .diskfile import check_free_space
-from .index import BlockIndex
-from .cache_identity import CacheIdentity
-from .options import Options, TierSlots, format_size
-from .stats import TierCounts, TransferCounters
+from .base.deadline import Deadline
+from .base.errors import CloseError
+from .base.helper_threads import HelperThread, on_worker_thread, process_generation
+from .workers.copy_submission import CopyCalls
+from .workers.copy_worker import CopyWorker, CopyWorkers
+from .base.layout import BlockLayout
+from .workers.worker_loop import WorkerLoop
+from .workers.copier import BlockCopier, make_block_copier
+from .base.diskfile import check_free_space
+from .tiers.index import BlockIndex
+from .base.cache_identity import CacheIdentity
+from .base.options import Options, TierSlots, format_size
+from .tiers.stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
 from .tiers.remote_tier import RemoteCounts, RemoteTier
 from .tiers.tiered_storage import TieredStorage

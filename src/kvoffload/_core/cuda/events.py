@@ -35,9 +35,9 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from ..helper_threads import mark_own_thread
-from ..cross_thread import resolve
-from ..foreign import ForeignCallError
+from ..base.helper_threads import mark_own_thread
+from ..base.cross_thread import resolve
+from ..base.foreign import ForeignCallError
 
 __all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge", "completed", "wait_completed"]
 

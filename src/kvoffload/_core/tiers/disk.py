@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..deadline import Deadline
-from ..diskfile import DiskFile, IoBatch, io_jobs
-from ..helper_threads import mark_own_thread
-from ..hostmem import HostBuffer
-from ..cache_identity import CacheIdentity
-from ..copy_submission import CopyRequest
-from ..copy_worker import CopyWorkers
-from ..layout import BlockLayout
+from ..base.deadline import Deadline
+from ..base.diskfile import DiskFile, IoBatch, io_jobs
+from ..base.helper_threads import mark_own_thread
+from .hostmem import HostBuffer
+from ..base.cache_identity import CacheIdentity
+from ..workers.copy_submission import CopyRequest
+from ..workers.copy_worker import CopyWorkers
+from ..base.layout import BlockLayout
 from .host import chunked
 from . import persistent_slots
 from .persistent_slots import PersistentSlots, Recovered

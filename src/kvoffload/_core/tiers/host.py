@@ -13,10 +13,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..hostmem import HostBuffer
-from ..copy_submission import CopyRequest
-from ..copy_worker import CopyWorkers
-from ..layout import BlockLayout
+from .hostmem import HostBuffer
+from ..workers.copy_submission import CopyRequest
+from ..workers.copy_worker import CopyWorkers
+from ..base.layout import BlockLayout
 
 __all__ = ["HostTier", "chunked"]
 

@@ -44,10 +44,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache_identity import CacheIdentity, decode_key, encode_key
-from ..diskfile import IOV_MAX, DiskFile
-from ..layout import runs
-from ..persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
+from ..base.cache_identity import CacheIdentity, decode_key, encode_key
+from ..base.diskfile import IOV_MAX, DiskFile
+from ..base.layout import runs
+from ..base.persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
 
 __all__ = ["CHECKPOINT_INTERVAL_S", "PersistentSlots", "Recovered"]
 

@@ -37,14 +37,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..async_backends import wakeup
-from ..cache_identity import CacheIdentity, encode_key
-from ..deadline import Deadline
-from ..errors import ClosedError, MissingKeysError, TransferError
-from ..hostmem import HostBuffer
-from ..index import DISK, HOST, BlockIndex, Evicted, Pin
-from ..remote import RemoteStore, RemoteUnavailableError
-from ..worker_loop import WorkerLoop
+from ..base.async_backends import wakeup
+from ..base.cache_identity import CacheIdentity, encode_key
+from ..base.deadline import Deadline
+from ..base.errors import ClosedError, MissingKeysError, TransferError
+from .hostmem import HostBuffer
+from .index import DISK, HOST, BlockIndex, Evicted, Pin
+from .remote import RemoteStore, RemoteUnavailableError
+from ..workers.worker_loop import WorkerLoop
 from .disk import DiskTier
 
 __all__ = ["NEGATIVE_TTL_S", "REMOTE_WRITE_MODES", "REPORTED_TTL_S", "RemoteCounts", "RemoteTier", "StagingSlots"]
@@ -158,7 +158,7 @@ class RemoteTier:
         self._outcomes: set[concurrent.futures.Future[Any]] = set()
         """The outcomes of the coroutines started on the loop and not ended yet."""
         self._stopped = False
-        from ..remote.redis_store import RedisStore  # redis-py is optional: imported only for a remote tier
+        from .remote.redis_store import RedisStore  # redis-py is optional: imported only for a remote tier
 
         self.store: RemoteStore = RedisStore(target, identity.digest)  # type: ignore[arg-type]  # Options checked the type
         self.worker = WorkerLoop("kvoffload-remote")

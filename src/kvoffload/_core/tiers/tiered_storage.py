@@ -27,19 +27,19 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
-from ..cache_identity import CacheIdentity, encode_key
-from ..deadline import Deadline
-from ..diskfile import DiskIoCounts, IoBatch, IoCalls
-from ..hostmem import HostBuffer
-from ..index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..copy_submission import CopyRequest, HandOver, SubmittedCopies
-from ..copy_worker import CopyWorker, CopyWorkers
-from ..host_copy_jobs import HostCopyJob
-from ..layout import BlockLayout
-from ..transfer import Transfer, TransferControl, TransferResult
-from ..stats import PersistentCounts, TierCounts, TransferCounters
-from ..cross_thread import resolve_from_any_thread
-from ..errors import CapacityError, MissingKeysError
+from ..base.cache_identity import CacheIdentity, encode_key
+from ..base.deadline import Deadline
+from ..base.diskfile import DiskIoCounts, IoBatch, IoCalls
+from .hostmem import HostBuffer
+from .index import DISK, HOST, BlockIndex, Pin, Reservation
+from ..workers.copy_submission import CopyRequest, HandOver, SubmittedCopies
+from ..workers.copy_worker import CopyWorker, CopyWorkers
+from ..workers.host_copy_jobs import HostCopyJob
+from ..base.layout import BlockLayout
+from ..workers.transfer import Transfer, TransferControl, TransferResult
+from .stats import PersistentCounts, TierCounts, TransferCounters
+from ..base.cross_thread import resolve_from_any_thread
+from ..base.errors import CapacityError, MissingKeysError
 from .remote_tier import RemoteTier
 from .disk import BouncePool, DiskTier
 from .host import HostTier, chunked

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import OffloadError
+from ...base.errors import OffloadError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .errors import OffloadError, TransferError
-from .foreign import ForeignCallError
+from ..base.errors import OffloadError, TransferError
+from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
 
 __all__ = ["EndHook", "JobSteps", "as_transfer_error", "end_transfer"]

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .copy_submission import CopyRequest, CopySubmitter, HandOver, SubmittedCopies
-from .cross_thread import Alarm, give_back_alarm, take_alarm
-from .helper_threads import mark_own_thread
-from .cuda.events import CompletionBridge, completed, wait_completed
-from .foreign import ForeignCallError
+from ..base.cross_thread import Alarm, give_back_alarm, take_alarm
+from ..base.helper_threads import mark_own_thread
+from ..cuda.events import CompletionBridge, completed, wait_completed
+from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
 from .transfer_end import EndHook, JobSteps, as_transfer_error, end_transfer
 from .worker_loop import WorkerLoop

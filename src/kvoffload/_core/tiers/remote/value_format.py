@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 import crc32c
 import numpy as np
 
-from ..cache_identity import MAX_KEY_BYTES
+from ...base.cache_identity import MAX_KEY_BYTES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from .block_copy import BlockCopier
-from .cuda.events import wait_completed
-from .foreign import ForeignCallError, call_foreign
+from .copier import BlockCopier
+from ..cuda.events import wait_completed
+from ..base.foreign import ForeignCallError, call_foreign
 
 __all__ = ["CopyCalls", "CopyRequest", "CopySubmitter", "HandOver", "SubmittedCopies"]
 

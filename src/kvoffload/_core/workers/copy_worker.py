@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from .block_copy import BlockCopier
+from .copier import BlockCopier
 from .copy_submission import CopyCalls, CopySubmitter, HandOver
-from .cuda.events import CompletionBridge
+from ..cuda.events import CompletionBridge
 from .host_copy_jobs import HostCopyJobs
 from .transfer import TransferControl
 from .transfer_end import EndHook, JobSteps, end_transfer

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .cross_thread import Alarm
-from .layout import BlockLayout, runs
-from .options import Options
+from ..base.cross_thread import Alarm
+from ..base.layout import BlockLayout, runs
+from ..base.options import Options
 
 __all__ = ["BlockCopier", "CpuBlockCopier", "make_block_copier"]
 
@@ -157,7 +157,7 @@ def make_block_copier(
     caches; ``expedited``: its streams have a higher priority than the others' (and than compute)."""
     if not layout.is_cuda:
         return CpuBlockCopier(layout, kv_caches, options.chunk_bytes)
-    from .cuda.block_copy import CudaBlockCopier
+    from ..cuda.cuda_copier import CudaBlockCopier
 
     return CudaBlockCopier(
         layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas,

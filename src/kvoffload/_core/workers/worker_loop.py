@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .cross_thread import Mailbox
-from .helper_threads import mark_own_thread
+from ..base.cross_thread import Mailbox
+from ..base.helper_threads import mark_own_thread
 
 __all__ = ["WorkerLoop"]
 

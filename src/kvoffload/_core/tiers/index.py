@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TypeVar
 
-from .errors import CapacityError, MissingKeysError
+from ..base.errors import CapacityError, MissingKeysError
 
 __all__ = ["BlockIndex", "Evicted", "IndexCounts", "Reservation", "Spill", "Pin"]
 

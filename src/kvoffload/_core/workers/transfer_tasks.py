@@ -13,8 +13,8 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Literal, TypeVar
 
 from .copy_submission import CopyRequest, CopySubmitter, HandOver
-from .cuda.events import CompletionBridge
-from .foreign import ForeignCallError
+from ..cuda.events import CompletionBridge
+from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
 from .transfer_end import EndHook, as_transfer_error, end_transfer
 from .worker_loop import WorkerLoop

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .diskfile import DiskIoCounts
+from ..base.diskfile import DiskIoCounts
 from .index import IndexCounts
-from .transfer import TransferControl, TransferResult
+from ..workers.transfer import TransferControl, TransferResult
 
 __all__ = ["OffloaderStats", "LatencyHistogram", "PersistentCounts", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 

@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cross_thread import Alarm
-from ..layout import BlockLayout, runs
+from ..base.cross_thread import Alarm
+from ..base.layout import BlockLayout, runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
 from .kernels import HostScatter, piece_kernel

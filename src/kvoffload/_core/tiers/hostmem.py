@@ -17,7 +17,7 @@ try:
 except ImportError:  # not a POSIX system
     resource = None  # type: ignore[assignment]
 
-from .errors import OffloadError
+from ..base.errors import OffloadError
 
 __all__ = ["HostBuffer"]
 
@@ -39,7 +39,7 @@ class HostBuffer:
         self.tensor.zero_()  # fault the pages in now, not in the first copy; releases the GIL
         self.address = self.tensor.data_ptr() if nbytes else 0
         if pin is not None and nbytes:
-            from .cuda.driver import CudaError, host_register
+            from ..cuda.driver import CudaError, host_register
 
             try:
                 host_register(self.address, nbytes, self._device_index)
@@ -62,7 +62,7 @@ class HostBuffer:
         if self._mmap is None:
             return
         if self.pinned:
-            from .cuda.driver import host_unregister
+            from ..cuda.driver import host_unregister
 
             host_unregister(self.address, self._device_index)
             self.pinned = False

@@ -34,9 +34,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, RedisClusterException, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from ..cache_identity import MAX_KEY_BYTES
-from ..errors import ClosedError
-from ..helper_threads import mark_own_thread
+from ...base.cache_identity import MAX_KEY_BYTES
+from ...base.errors import ClosedError
+from ...base.helper_threads import mark_own_thread
 from .store_protocol import RemoteCounters, RemoteUnavailableError
 from .value_format import (
     HEADER_BYTES, BadValue, byte_view, check_namespace, copy_bytes, key_name, name_prefix, pack_value_into, unpack_value, value_bytes,

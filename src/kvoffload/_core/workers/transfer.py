@@ -4,7 +4,7 @@ A transfer runs on one of the offloader's worker loops. The handle bridges its
 outcome to whoever waits: any asyncio loop in any thread, a trio run (also in guest
 mode on an asyncio loop), or anyio on either (``await``); a plain thread (``result()``);
 or a callback. How a task sleeps until the transfer ends depends on the library that
-runs it: ``async_backends.py`` owns that (on asyncio, at most one cross-thread wake-up
+runs it: ``base/async_backends.py`` owns that (on asyncio, at most one cross-thread wake-up
 per waiting loop, shared with every other transfer that ends before that loop runs).
 
 The handle is all a caller sees. The workers hold its :class:`TransferControl`: the one
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generator, Literal
 
-from .async_backends import running_asyncio_loop, wakeup
-from .cross_thread import mailbox_of
-from .errors import ClosedError, TransferCancelled
-from .helper_threads import process_generation
+from ..base.async_backends import running_asyncio_loop, wakeup
+from ..base.cross_thread import mailbox_of
+from ..base.errors import ClosedError, TransferCancelled
+from ..base.helper_threads import process_generation
 
 __all__ = ["Transfer", "TransferControl", "TransferResult"]
 
