@@ -100,7 +100,10 @@ def test_installed_bench_has_its_baseline_without_a_checkout(wheel, tmp_path):
     site, work = tmp_path / "site", tmp_path / "work"
     zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel, installed as pip would lay it out
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # the wheel first; the rest of PYTHONPATH (dependencies installed there) but this checkout's sources
+    checkout_src = str(Path(__file__).resolve().parents[1] / "src")
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(checkout_src)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *kept])}
     out = work / "bench.json"
     bench("--json", str(out), "--skip", "busy,cancel,disk,persist,remote,small,cost,engine,latency", cwd=work, env=env)
     data = json.loads(out.read_text())
