@@ -40,7 +40,7 @@ def server(binaries):
 def store_and_close(url: str, keys: list, *, seed: int = SEED, **kw: object) -> kvoffload.OffloaderStats:
     """An offloader storing block i of ``random_caches(BLOCKS, seed)`` under ``keys[i]``, closed (its
     background writes waited for): its final stats."""
-    off = kvoffload.Offloader(random_caches(BLOCKS, seed=seed), host_blocks=BLOCKS, remote=url, **kw).start()
+    off = kvoffload.Offloader(random_caches(BLOCKS, seed=seed), remote=url, **{"host_blocks": BLOCKS, **kw}).start()
     try:
         off.store({k: i for i, k in enumerate(keys)}).result(10)
     finally:
@@ -406,14 +406,8 @@ def written_bytes(seed: int = SEED) -> dict:
 @pytest.mark.asyncio
 async def test_a_disk_only_offloader_writes_its_blocks_through_and_loads_remote_hits(server, tmp_path):
     keys = [f"d{i}" for i in range(10)]
-    writer = kvoffload.Offloader(
-        random_caches(BLOCKS, seed=SEED), host_blocks=0, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS, remote=server.url,
-    ).start()
-    try:
-        writer.store({k: i for i, k in enumerate(keys)}).result(10)
-    finally:
-        writer.close()
-    assert writer.stats().remote_writes == len(keys) and writer.stats().remote_write_failures == 0
+    written = store_and_close(server.url, keys, host_blocks=0, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS)
+    assert written.remote_writes == len(keys) and written.remote_write_failures == 0
     off = kvoffload.Offloader(
         random_caches(BLOCKS, seed=99), host_blocks=0, disk_path=str(tmp_path / "r.kv"), disk_blocks=BLOCKS, remote=server.url,
         remote_write="none", chunk_bytes=3 * slot_bytes(),  # three blocks a chunk: several chunks
@@ -439,14 +433,8 @@ def slot_bytes() -> int:
 @pytest.mark.asyncio
 async def test_a_store_larger_than_the_host_tier_is_written_through_whole(server, tmp_path):
     keys = [f"L{i}" for i in range(12)]
-    writer = kvoffload.Offloader(
-        random_caches(BLOCKS, seed=SEED), host_blocks=4, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS, remote=server.url,
-    ).start()
-    try:
-        writer.store({k: i for i, k in enumerate(keys)}).result(10)  # the first 8 straight to disk
-    finally:
-        writer.close()
-    assert writer.stats().remote_writes == len(keys)
+    # the first 8 straight to disk
+    assert store_and_close(server.url, keys, host_blocks=4, disk_path=str(tmp_path / "w.kv"), disk_blocks=BLOCKS).remote_writes == len(keys)
     off = reader(server.url)
     try:
         assert await off.alookup(keys) == len(keys)
