@@ -310,9 +310,9 @@ class RemoteTier:
         pins: list[Pin] = []
         try:
             pins = self._pin(keys)
-            sendable = [p for p in pins if (p.tier == HOST and self.host_rows is not None) or (p.tier == DISK and self.staging is not None)]
-            self.index.unpin([p for p in pins if p not in sendable])
-            pins = sendable
+            sendable = [(p.tier == HOST and self.host_rows is not None) or (p.tier == DISK and self.staging is not None) for p in pins]
+            self.index.unpin([p for p, ok in zip(pins, sendable) if not ok])
+            pins = [p for p, ok in zip(pins, sendable) if ok]
             if pins:
                 self._start_write(len(pins), lambda: self._send_pinned(pins))
         except ClosedError:  # the offloader is closing

@@ -481,6 +481,8 @@ class LandingWatcher:
         have the driver ring the watcher once this copy lands: a burst of transfers costs one ring."""
         assert job.copies is not None
         with self._lock:
+            if self._stopping:  # as a stopped worker's mailbox does: the caller's clean-up ends the job
+                raise RuntimeError("the worker has stopped")
             self._watched.append(job)
             ring = not self._ring_pending
             self._ring_pending = True
@@ -537,7 +539,8 @@ class LandingWatcher:
     def stop(self) -> list[HostCopyJob]:
         """Stop the thread and give the alarm back; the jobs still watched, not yet taken, are
         returned for the worker to end."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True  # nothing is handed over from here on (watch() refuses)
         self._alarm.ring()
         self._thread.join(5.0)
         if not self._thread.is_alive():
