@@ -26,7 +26,7 @@ try:
 except ImportError:  # trio requires sniffio: without it, no library but asyncio can be running
     sniffio = None  # type: ignore[assignment]
 
-__all__ = ["running_asyncio_loop", "Wakeup", "wakeup"]
+__all__ = ["running_asyncio_loop", "settled", "Wakeup", "wakeup"]
 
 
 def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
@@ -143,3 +143,17 @@ class _AnyioWakeup:
         with anyio.CancelScope(shield=True):
             await self._event.wait()
         return held
+
+
+async def settled(fut: asyncio.Future[Any]) -> None:
+    """On an asyncio loop: return once ``fut`` is done, however it ends, even if the waiting task is
+    cancelled meanwhile (each cancellation is absorbed while waiting; ``fut`` itself is never
+    cancelled here). For clean-up that must not go on while IO or a copy still uses a buffer: the
+    caller then raises what it was handling. Never raises what ``fut`` ended with (it is retrieved)."""
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            continue
+    if not fut.cancelled():
+        fut.exception()

@@ -34,6 +34,7 @@ import numpy as np
 
 from .cross_thread import resolve_from_any_thread
 from .errors import OffloadError
+from .async_backends import settled
 from .foreign import call_foreign
 from .layout import SLOT_ALIGN, runs
 from .options import format_size
@@ -525,8 +526,5 @@ class IoBatch:
         for f in self._futures:
             f.cancel()
         for f in self._futures:
-            while not f.done():
-                try:
-                    await asyncio.shield(asyncio.wrap_future(f))
-                except BaseException:
-                    pass
+            if not f.done():
+                await settled(asyncio.wrap_future(f))

@@ -5,17 +5,19 @@ as is, some exceptions would not: asyncio refuses ``StopIteration`` in a
 future (the transfer would hang), a ``CancelledError`` would read as a
 cancellation, an ``OffloadError`` would pass as the library's own, and
 ``SystemExit`` & co. would stop a worker loop. :func:`call_foreign` turns
-them all into :class:`ForeignCallError`.
+them all into :class:`ForeignCallError`; :func:`as_transfer_error` is the other half, what a
+transfer reports for whatever reached its worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from .errors import TransferError
+from .errors import OffloadError, TransferError
 
-__all__ = ["ForeignCallError", "call_foreign"]
+__all__ = ["ForeignCallError", "as_transfer_error", "call_foreign"]
 
 R = TypeVar("R")
 
@@ -47,3 +49,18 @@ def _describe(e: BaseException) -> str:
     except BaseException:
         text = ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def as_transfer_error(kind: str, e: BaseException) -> BaseException:
+    """What a transfer reports for ``e``: the library's own errors and cancellation as they are,
+    anything else (the user's, the driver's, ``SystemExit``) as :class:`TransferError` with it as
+    the cause. The one place where foreign exceptions become kvoffload's."""
+    if isinstance(e, ForeignCallError):  # the original exception becomes the cause
+        err = TransferError(f"{kind} failed: {e}")
+        err.__cause__ = e.__cause__
+        return err
+    if isinstance(e, (asyncio.CancelledError, OffloadError, GeneratorExit)):
+        return e
+    err = TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}")
+    err.__cause__ = e
+    return err

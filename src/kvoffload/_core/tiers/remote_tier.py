@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..base.async_backends import wakeup
+from ..base.async_backends import settled, wakeup
 from ..base.cache_identity import CacheIdentity, encode_key
 from ..base.deadline import Deadline
 from ..base.errors import ClosedError, MissingKeysError, TransferError
@@ -279,9 +279,7 @@ class RemoteTier:
         except asyncio.CancelledError:
             if not ended.done():
                 cancel()
-                while not ended.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.wait([ended])
+                await settled(ended)
             raise
         except RemoteUnavailableError as e:
             self._add(unavailable=1)

@@ -39,7 +39,7 @@ from ..base.layout import BlockLayout
 from ..workers.transfer import Transfer, TransferControl, TransferResult
 from .stats import PersistentCounts, TierCounts, TransferCounters
 from ..base.cross_thread import resolve_from_any_thread
-from ..base.errors import CapacityError, MissingKeysError
+from ..base.errors import MissingKeysError
 from .remote_tier import RemoteTier
 from .disk import BouncePool, DiskTier
 from .host import HostTier, chunked

@@ -8,7 +8,7 @@ and the three mechanisms that move a transfer's copies (each in a module of its 
 
 A transfer ends the same way whichever ran it (:func:`~.transfer_end.end_transfer`); what its
 foreign calls raise becomes :class:`TransferError` at one place
-(:func:`~.transfer_end.as_transfer_error`).
+(:func:`~..base.foreign.as_transfer_error`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from ..base.helper_threads import mark_own_thread
 from ..cuda.events import CompletionBridge, completed, wait_completed
 from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
-from .transfer_end import EndHook, JobSteps, as_transfer_error, end_transfer
+from ..base.foreign import as_transfer_error
+from .transfer_end import EndHook, JobSteps, end_transfer
 from .worker_loop import WorkerLoop
 
 __all__ = ["HostCopyJob", "HostCopyJobs"]

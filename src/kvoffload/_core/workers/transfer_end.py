@@ -1,40 +1,22 @@
 """How a copy worker's transfer ends, whichever way it ran: the plan's callbacks
-(:class:`JobSteps`, :data:`EndHook`), the one mapping of what a transfer's foreign calls raise to
-kvoffload's errors (:func:`as_transfer_error`), and the one sequence that ends it
-(:func:`end_transfer`)."""
+(:class:`JobSteps`, :data:`EndHook`) and the one sequence that ends it (:func:`end_transfer`).
+What its foreign calls raised was mapped to kvoffload's errors before
+(:func:`~..base.foreign.as_transfer_error`)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..base.errors import OffloadError, TransferError
-from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
 
-__all__ = ["EndHook", "JobSteps", "as_transfer_error", "end_transfer"]
+__all__ = ["EndHook", "JobSteps", "end_transfer"]
 
 log = logging.getLogger("kvoffload")
 
 EndHook = Callable[[TransferResult | None, BaseException | None, bool], Any]
 """``on_end(result, exc, cancelled)``: sees a transfer's outcome just before it ends (its plan counts it)."""
-
-
-def as_transfer_error(kind: str, e: BaseException) -> BaseException:
-    """What a transfer reports for ``e``: the library's own errors and cancellation as they are,
-    anything else (the user's, the driver's, ``SystemExit``) as :class:`TransferError` with it as
-    the cause. The one place where foreign exceptions become kvoffload's."""
-    if isinstance(e, ForeignCallError):  # the original exception becomes the cause
-        err = TransferError(f"{kind} failed: {e}")
-        err.__cause__ = e.__cause__
-        return err
-    if isinstance(e, (asyncio.CancelledError, OffloadError, GeneratorExit)):
-        return e
-    err = TransferError(f"{kind} failed: {e if isinstance(e, Exception) else repr(e)}")
-    err.__cause__ = e
-    return err
 
 
 class JobSteps(Protocol):

@@ -14,9 +14,10 @@ from typing import Any, Literal, TypeVar
 
 from .copy_submission import CopyRequest, CopySubmitter, HandOver
 from ..cuda.events import CompletionBridge
-from ..base.foreign import ForeignCallError
+from ..base.async_backends import settled
 from .transfer import TransferControl, TransferResult
-from .transfer_end import EndHook, as_transfer_error, end_transfer
+from ..base.foreign import as_transfer_error
+from .transfer_end import EndHook, end_transfer
 from .worker_loop import WorkerLoop
 
 __all__ = ["TransferTasks"]
@@ -139,16 +140,7 @@ class TransferTasks:
         if event is None:
             return
         assert self.bridge is not None
-        fut = self.bridge.watch(event)
-        while not fut.done():
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                continue
-            except ForeignCallError:  # a failed device: nothing more will be written
-                break
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a failure here is the cleanup's to ignore
+        await settled(self.bridge.watch(event))  # a failed copy (ForeignCallError) counts as settled
 
     async def pipeline(self, chunks: Iterable[C], request: Callable[[C], CopyRequest], completed: Callable[[C], Any]) -> None:
         """Copy each chunk (``request(chunk)``) in order, up to ``depth`` in flight; ``completed(chunk)`` as each lands.

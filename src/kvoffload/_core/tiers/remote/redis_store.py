@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import random
 import threading
@@ -34,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, RedisClusterException, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from ...base.async_backends import settled
 from ...base.cache_identity import MAX_KEY_BYTES
 from ...base.errors import ClosedError
 from ...base.helper_threads import mark_own_thread
@@ -355,9 +355,7 @@ class RedisStore:
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
-            while not done.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([done])
+            await settled(done)
             raise
 
     async def _drop_idle_connections(self) -> None:
