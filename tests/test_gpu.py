@@ -602,3 +602,24 @@ def test_a_driver_event_reports_completion_and_a_cuda_error_by_the_drivers_name(
     with pytest.raises(CudaError) as ei:
         check("cuEventQuery", 700)
     assert ei.value.code == 700 and "CUDA_ERROR_ILLEGAL_ADDRESS" in str(ei.value), str(ei.value)
+
+
+def test_a_gone_driver_events_handle_is_reused_and_records_anew():
+    """A DriverEvent's handle goes back to a pool when the event is gone; the next event takes it and
+    tracks its own work, not the old one's: recorded behind new work, it is pending until that ends."""
+    from kvoffload._core.cuda.driver import DriverEvent, enqueue_calls
+
+    device = torch.cuda.current_device()
+    enqueue_calls().ensure_context(device)
+    stream = torch.cuda.Stream()
+    first = DriverEvent(device).record(stream.cuda_stream)
+    first.synchronize()
+    handle = first.handle
+    del first
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    second = DriverEvent(device).record(stream.cuda_stream)
+    assert second.handle == handle, "the gone event's handle was not reused"
+    assert second.query() is False, "the reused event reported the old work's completion"
+    second.synchronize()
+    assert second.query() is True

@@ -269,6 +269,8 @@ class EnqueueCalls:
         self.host_func_launch = resolve("cuLaunchHostFunc", _VOID_P, _VOID_P, _VOID_P)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self.free_events: dict[int, list[int]] = {}
+        """Per device: event handles of :class:`DriverEvent` s gone, for the next ones (see there)."""
 
     def ensure_context(self, device_index: int) -> None:
         """Make the device's primary context current in this thread if none is (once per thread)."""
@@ -305,11 +307,21 @@ def enqueue_calls() -> EnqueueCalls:
 CUDA_ERROR_NOT_READY = 600
 
 
+MAX_POOLED_EVENTS = 4096
+"""The most event handles kept per device for reuse (the rest are destroyed)."""
+
+
 class DriverEvent:
     """A blocking-sync CUDA event made, recorded and queried without releasing the GIL.
 
     Quacks like the ``torch.cuda.Event`` the completion bridges watch: ``query()`` and
     ``synchronize()`` (which does release the GIL: it is what a waiting thread does).
+
+    Handles are pooled: a gone event's handle is kept for the next one on its device instead of
+    destroyed, saving a ``cuEventCreate`` and a ``cuEventDestroy`` per event (every transfer
+    records two or three). Reuse is safe once nothing holds the old event: a stream wait or a
+    ring enqueued on it uses the state it captured when enqueued, which a later record does not
+    change.
     """
 
     __slots__ = ("handle", "_calls", "_device")
@@ -317,11 +329,18 @@ class DriverEvent:
     def __init__(self, device_index: int) -> None:
         self._calls = enqueue_calls()
         self._device = device_index
+        free = getattr(self._calls, "free_events", {}).get(device_index)  # a stand-in driver in tests has none
+        if free:
+            try:
+                self.handle: int = free.pop()
+                return
+            except IndexError:  # taken by another thread meanwhile
+                pass
         out = ctypes.c_void_p(0)
         err = self._calls.event_create(ctypes.addressof(out), self._calls.blocking_sync)
         if err:
             check("cuEventCreate", err)
-        self.handle: int = out.value or 0
+        self.handle = out.value or 0
 
     def record(self, stream: int) -> DriverEvent:
         """Record on ``stream`` (a raw ``CUstream``); returns self."""
@@ -361,6 +380,13 @@ class DriverEvent:
 
     def __del__(self) -> None:
         if self.handle:
+            pool = getattr(self._calls, "free_events", None)
+            if pool is not None:
+                free = pool.setdefault(self._device, [])
+                if len(free) < MAX_POOLED_EVENTS:
+                    free.append(self.handle)
+                    self.handle = 0
+                    return
             try:
                 self._calls.event_destroy(self.handle)
             except Exception:
