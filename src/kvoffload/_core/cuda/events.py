@@ -39,10 +39,23 @@ from ..base.helper_threads import mark_own_thread
 from ..base.cross_thread import resolve
 from ..base.foreign import ForeignCallError
 
-__all__ = ["CompletionBridge", "ThreadBridge", "PollBridge", "make_bridge", "completed", "wait_completed"]
+__all__ = ["CompletionBridge", "CopyEvent", "ThreadBridge", "PollBridge", "make_bridge", "completed", "wait_completed"]
 
 
-def completed(event: Any) -> bool:
+class CopyEvent(Protocol):
+    """What copies complete with: a :class:`~.driver.DriverEvent`, a ``torch.cuda.Event``, a test's
+    stand-in. Both calls raise (the copy failed on the device) as the driver reports it."""
+
+    def query(self) -> bool:
+        """True once the work recorded before the event has completed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until it has completed."""
+        ...
+
+
+def completed(event: CopyEvent) -> bool:
     """``event.query()``: True once the copies recorded before ``event`` have completed.
 
     Raises :class:`ForeignCallError` (what the event raised as ``__cause__``: a CUDA error) if they
@@ -54,7 +67,7 @@ def completed(event: Any) -> bool:
         raise _copy_failed(e) from e
 
 
-def wait_completed(event: Any) -> None:
+def wait_completed(event: CopyEvent) -> None:
     """``event.synchronize()``: block until the copies recorded before ``event`` have completed.
     Raises as :func:`completed` does if they failed."""
     try:
@@ -85,7 +98,7 @@ def _settle(fut: asyncio.Future[None], failure: ForeignCallError | None) -> None
 class CompletionBridge(Protocol):
     """Turns an event into a future of the loop the bridge serves."""
 
-    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
+    def watch(self, event: CopyEvent, eager: bool = True) -> asyncio.Future[None]:
         """A future that completes when ``event`` has completed, with :class:`ForeignCallError` if its
         copies failed on the device. Call on the bridge's loop. ``eager``: somebody waits for it now
         (a polling bridge follows it closely)."""
@@ -119,7 +132,7 @@ class ThreadBridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
+    def watch(self, event: CopyEvent, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._queue.put((event, fut))
         return fut
@@ -186,7 +199,7 @@ class PollBridge:
         self._tick: asyncio.Future[None] | None = None
         """What the poller awaits between two ticks: following closely resolves it early."""
 
-    def watch(self, event: Any, eager: bool = True) -> asyncio.Future[None]:
+    def watch(self, event: CopyEvent, eager: bool = True) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._pending.append((event, fut))
         if eager:

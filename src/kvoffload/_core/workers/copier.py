@@ -20,6 +20,7 @@ import torch
 from ..base.cross_thread import Alarm
 from ..base.layout import BlockLayout, runs
 from ..base.options import Options
+from ..cuda.events import CopyEvent
 
 __all__ = ["BlockCopier", "CpuBlockCopier", "make_block_copier"]
 
@@ -29,19 +30,19 @@ class BlockCopier(Protocol):
 
     chunk_blocks: int
 
-    def caller_event(self) -> Any:
+    def caller_event(self) -> CopyEvent | None:
         """An event recorded now on the calling thread's current stream, or None (CPU caches)."""
         ...
 
-    def wait_for(self, event: Any) -> None:
+    def wait_for(self, event: CopyEvent | None) -> None:
         """Make every later copy wait until ``event`` (caller's compute) has completed."""
         ...
 
-    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
+    def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> CopyEvent | None:
         """Copy cache blocks into host rows; returns a completion event or None."""
         ...
 
-    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
+    def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> CopyEvent | None:
         """Copy host rows into cache blocks; returns a completion event or None."""
         ...
 
@@ -53,7 +54,7 @@ class BlockCopier(Protocol):
         """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
         ...
 
-    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
+    def ring_when_complete(self, event: CopyEvent, alarm: Alarm) -> None:
         """Have ``alarm`` rung once ``event`` (one of this copier's completion events) completes,
         without Python running meanwhile."""
         ...

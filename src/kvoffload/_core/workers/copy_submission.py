@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from .copier import BlockCopier
-from ..cuda.events import wait_completed
+from ..cuda.events import CopyEvent, wait_completed
 from ..base.foreign import ForeignCallError, call_foreign
 
 __all__ = ["CopyCalls", "CopyRequest", "CopySubmitter", "HandOver", "SubmittedCopies"]
@@ -30,16 +30,16 @@ class CopyRequest:
     host: torch.Tensor
     block_ids: Sequence[int]
     rows: Sequence[int]
-    future: asyncio.Future[Any] = field(init=False)
+    future: asyncio.Future[CopyEvent | None] = field(init=False)
     submitted: bool = False
-    event: Any = None
+    event: CopyEvent | None = None
 
 
-def _to_host(copier: BlockCopier, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
+def _to_host(copier: BlockCopier, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> CopyEvent | None:
     return copier.to_host(block_ids, host, rows)
 
 
-def _to_device(copier: BlockCopier, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
+def _to_device(copier: BlockCopier, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> CopyEvent | None:
     return copier.to_device(host, rows, block_ids)
 
 
@@ -52,8 +52,8 @@ class CopyCalls:
     hands it to tests, which replace an attribute to gate or break copies.
     """
 
-    to_host: Callable[[BlockCopier, Sequence[int], torch.Tensor, Sequence[int]], Any] = _to_host
-    to_device: Callable[[BlockCopier, torch.Tensor, Sequence[int], Sequence[int]], Any] = _to_device
+    to_host: Callable[[BlockCopier, Sequence[int], torch.Tensor, Sequence[int]], CopyEvent | None] = _to_host
+    to_device: Callable[[BlockCopier, torch.Tensor, Sequence[int], Sequence[int]], CopyEvent | None] = _to_device
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class SubmittedCopies:
     already happened), and the error that stopped the submission (the requests after it were
     not submitted)."""
 
-    events: list[Any]
+    events: list[CopyEvent | None]
     error: Exception | None
     cancel_flag: Any = None
     """A GPU load's :class:`~.cuda.cancel_flags.CancelFlag`: raised on cancel, its kernels skip the rest."""
@@ -95,7 +95,7 @@ class CopySubmitter:
         self._lock = threading.Lock()
         """Held while the copier enqueues: callers' threads (:meth:`enqueue`) and the loop share it."""
 
-    def submit(self, to_host: bool, host: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> Any:
+    def submit(self, to_host: bool, host: torch.Tensor, rows: Sequence[int], ids: Sequence[int]) -> CopyEvent | None:
         if to_host:
             return call_foreign("copy to host", self.calls.to_host, self.copier, ids, host, rows)
         return call_foreign("copy to device", self.calls.to_device, self.copier, host, rows, ids)

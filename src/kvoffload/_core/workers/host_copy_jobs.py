@@ -29,7 +29,7 @@ from typing import Any, Literal
 from .copy_submission import CopyRequest, CopySubmitter, HandOver, SubmittedCopies
 from ..base.cross_thread import Alarm, give_back_alarm, take_alarm
 from ..base.helper_threads import mark_own_thread
-from ..cuda.events import CompletionBridge, completed, wait_completed
+from ..cuda.events import CompletionBridge, CopyEvent, completed, wait_completed
 from ..base.foreign import ForeignCallError
 from .transfer import TransferControl, TransferResult
 from ..base.foreign import as_transfer_error
@@ -231,7 +231,7 @@ class HostCopyJobs:
             self._when_complete(event, job, functools.partial(self._end, job, cancelled=True))
             return
 
-    def _when_complete(self, event: Any, job: HostCopyJob, then: Callable[[], Any]) -> None:
+    def _when_complete(self, event: CopyEvent, job: HostCopyJob, then: Callable[[], Any]) -> None:
         """Poll ``event`` every 0.1 ms, then call ``then()``, unless ``job`` ended meanwhile; should the
         event fail, :meth:`_fail` ``job`` instead. (The bridge cannot watch these events: it follows
         events in the order they were watched, and the job's last one came first.)"""
@@ -323,11 +323,12 @@ class HostCopyJobs:
             return
         first = 0 if job.steps.reports_landings else len(events) - 1
         for i in range(first, len(events)):
-            if events[i] is None:
+            event = events[i]
+            if event is None:
                 self._land(job, i, None)
             else:  # nobody waits yet: a waiter has the bridge follow closely (Transfer._wait)
                 assert self.bridge is not None  # events come from a GPU copier, which has a bridge
-                self.bridge.watch(events[i], eager=False).add_done_callback(functools.partial(self._land, job, i))
+                self.bridge.watch(event, eager=False).add_done_callback(functools.partial(self._land, job, i))
 
     def _land(self, job: HostCopyJob, i: int, watched: asyncio.Future[None] | None, *, here: bool = False) -> None:
         """Copy ``i`` of ``job`` completed (so did those before it), or failed (``watched``, its bridge
@@ -492,9 +493,10 @@ class LandingWatcher:
 
     def _ring_after(self, job: HostCopyJob) -> None:
         """Have the driver ring the watcher once ``job``'s copy completes."""
-        assert job.copies is not None
+        event = job.copies.events[0] if job.copies is not None else None
+        assert event is not None  # a watched job has one copy
         try:
-            self._jobs.submitter.copier.ring_when_complete(job.copies.events[0], self._alarm)
+            self._jobs.submitter.copier.ring_when_complete(event, self._alarm)
         except Exception:  # a failed device: the watcher's next look finds the copy failed
             log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
             self._alarm.ring()
@@ -519,9 +521,10 @@ class LandingWatcher:
         jobs = self._jobs
         for job in watched:
             if job.hand_over.taken or jobs._take(job):
-                assert job.copies is not None
+                event = job.copies.events[0] if job.copies is not None else None
+                assert event is not None  # a watched job has one copy (HostCopyJobs._landing_watcher)
                 try:
-                    if not completed(job.copies.events[0]):
+                    if not completed(event):
                         continue
                 except ForeignCallError as e:  # the copy failed on the device: it is settled
                     jobs._fail(job, e, here=True)

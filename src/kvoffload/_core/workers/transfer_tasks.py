@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Literal, TypeVar
 
 from .copy_submission import CopyRequest, CopySubmitter, HandOver
-from ..cuda.events import CompletionBridge
+from ..cuda.events import CompletionBridge, CopyEvent
 from ..base.async_backends import settled
 from .transfer import TransferControl, TransferResult
 from ..base.foreign import as_transfer_error
@@ -91,7 +91,7 @@ class TransferTasks:
 
         loop.mailbox.post(create)
 
-    async def copy(self, req: CopyRequest) -> Any:
+    async def copy(self, req: CopyRequest) -> CopyEvent | None:
         """Submit ``req`` with whatever else is requested this loop turn; returns its completion event.
 
         If cancelled, a request not yet submitted is withdrawn; one already
@@ -127,14 +127,14 @@ class TransferTasks:
                 if not r.future.done():
                     r.future.set_result(event)
 
-    async def wait(self, event: Any) -> None:
+    async def wait(self, event: CopyEvent | None) -> None:
         """Wait until ``event`` completed (None: already complete). Raises ForeignCallError if its
         copies failed on the device (what it covers did not land)."""
         if event is not None:
             assert self.bridge is not None  # events come from a GPU copier, which has a bridge
             await self.bridge.watch(event)
 
-    async def settle(self, event: Any) -> None:
+    async def settle(self, event: CopyEvent | None) -> None:
         """Wait until ``event`` completed or failed, even if cancelled meanwhile (cleanup path: never
         raises for a failed copy, whose event counts as settled)."""
         if event is None:
