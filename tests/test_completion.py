@@ -195,7 +195,7 @@ def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
 
 def test_result_on_a_load_that_can_stop_early_sleeps_until_it_lands_and_ends_it_itself(rig):
     """A load of several chunks has a cancel flag, so its waiter cannot sleep in the driver on the
-    last copy (a cancel ends it sooner). It sleeps on an alarm the last copy's completion rings, and
+    last copy (a cancel ends it sooner). It sleeps on a wake semaphore the last copy's completion rings, and
     ends the transfer itself: no wake-up from the worker needed (the worker is held)."""
     assert rig.copier.flag is not None
     transfer, steps, events = rig.start()

@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 
-from kvoffload._core.base.cross_thread import Alarm, give_back_alarm, mailbox_of, resolve, take_alarm
+from kvoffload._core.base.cross_thread import WakeSemaphore, give_back_wake_semaphore, mailbox_of, resolve, take_wake_semaphore
 from kvoffload._core.workers.worker_loop import WorkerLoop
 
 
@@ -76,23 +76,23 @@ def test_a_loop_that_closed_before_running_its_posts_is_freed_with_them():
     assert [ref() for ref in freed] == [None, None]
 
 
-def test_an_alarm_wakes_its_sleeper_when_rung_from_c_and_keeps_an_early_ring():
-    alarm = Alarm()
-    assert not alarm.sleep(0.01)  # nobody rang
-    alarm.ring()
-    assert alarm.sleep(10)  # rung before the sleep: kept
-    ring_from_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(Alarm.RING_FUNCTION)  # as the driver's host function
+def test_a_wake_semaphore_wakes_its_sleeper_when_rung_from_c_and_keeps_an_early_ring():
+    semaphore = WakeSemaphore()
+    assert not semaphore.sleep(0.01)  # nobody rang
+    semaphore.ring()
+    assert semaphore.sleep(10)  # rung before the sleep: kept
+    ring_from_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(WakeSemaphore.RING_FUNCTION)  # as the driver's host function
     woke: list[bool] = []
-    sleeper = threading.Thread(target=lambda: woke.append(alarm.sleep(10)))
+    sleeper = threading.Thread(target=lambda: woke.append(semaphore.sleep(10)))
     sleeper.start()
-    ring_from_c(alarm.address)
+    ring_from_c(semaphore.address)
     sleeper.join(10)
     assert woke == [True]
 
 
-def test_alarms_go_back_to_the_pool_not_away():
-    """An alarm handed to the driver may be rung after its sleeper left: the pool keeps it alive."""
-    alarm = take_alarm()
-    give_back_alarm(alarm)
-    assert take_alarm() is alarm
-    give_back_alarm(alarm)
+def test_wake_semaphores_go_back_to_the_pool_not_away():
+    """An semaphore handed to the driver may be rung after its sleeper left: the pool keeps it alive."""
+    semaphore = take_wake_semaphore()
+    give_back_wake_semaphore(semaphore)
+    assert take_wake_semaphore() is semaphore
+    give_back_wake_semaphore(semaphore)

@@ -14,9 +14,9 @@ its call (measured: a 4-block GPU store call of 215 us, where its copies took 87
 enqueue). Woken quietly, the worker runs when the caller next lets go of the GIL (its
 ``await``, a blocking call) or after the interpreter's switch interval.
 
-An :class:`Alarm` wakes a plain thread instead: one that sleeps in a blocking call (the GIL
+A :class:`WakeSemaphore` wakes a plain thread instead: one that sleeps in a blocking call (the GIL
 released) until something rings it. C code can ring it too: the driver, through a host function on
-a stream (libc's ``sem_post`` itself, :data:`Alarm.RING_FUNCTION`), so that a thread waiting for a
+a stream (libc's ``sem_post`` itself, :data:`WakeSemaphore.RING_FUNCTION`), so that a thread waiting for a
 GPU copy behind a thread busy in Python is woken with no Python run on its behalf.
 """
 
@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Alarm", "take_alarm", "give_back_alarm", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
+__all__ = ["WakeSemaphore", "take_wake_semaphore", "give_back_wake_semaphore", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
 
 
 def _gil_keeping(name: str) -> Callable[[int, Any, int], int] | None:
@@ -73,12 +73,12 @@ _SEMAPHORES = _semaphore_calls()
 _EINTR = 4
 
 
-class Alarm:
+class WakeSemaphore:
     """A POSIX semaphore that a thread sleeps on (:meth:`sleep`) until it is rung: by :meth:`ring`
     from another thread, or by C code calling :data:`RING_FUNCTION` with :attr:`address`.
     Making one raises ``OSError`` where libc has no semaphores.
 
-    Take alarms from the pool (:func:`take_alarm`): an alarm handed to C code may be rung after its
+    Take wake semaphores from the pool (:func:`take_wake_semaphore`): a wake semaphore handed to C code may be rung after its
     sleeper has gone, so its memory must outlive every ring enqueued for it; the pool never frees
     one. A ring meant for an earlier sleeper may wake a later one early: sleepers re-check what
     they wait for.
@@ -87,7 +87,7 @@ class Alarm:
     __slots__ = ("_sem", "address")
 
     RING_FUNCTION = _SEMAPHORES[2] if _SEMAPHORES is not None else 0
-    """Address of a C function ``void (*)(void *)`` that rings the alarm at its argument."""
+    """Address of a C function ``void (*)(void *)`` that rings the semaphore at its argument."""
 
     def __init__(self) -> None:
         if _SEMAPHORES is None:
@@ -113,26 +113,26 @@ class Alarm:
         return True
 
 
-_idle_alarms: list[Alarm] = []
-_every_alarm: list[Alarm] = []  # never freed: see Alarm
-_alarms_lock = threading.Lock()
+_idle_wake_semaphores: list[WakeSemaphore] = []
+_every_wake_semaphore: list[WakeSemaphore] = []  # never freed: see WakeSemaphore
+_wake_semaphores_lock = threading.Lock()
 
 
-def take_alarm() -> Alarm:
-    """An alarm from the process's pool (a new one when every alarm is taken); ``OSError`` where
-    alarms cannot be made."""
-    with _alarms_lock:
-        if _idle_alarms:
-            return _idle_alarms.pop()
-        alarm = Alarm()
-        _every_alarm.append(alarm)
-        return alarm
+def take_wake_semaphore() -> WakeSemaphore:
+    """A wake semaphore from the process's pool (a new one when every semaphore is taken); ``OSError`` where
+    wake semaphores cannot be made."""
+    with _wake_semaphores_lock:
+        if _idle_wake_semaphores:
+            return _idle_wake_semaphores.pop()
+        semaphore = WakeSemaphore()
+        _every_wake_semaphore.append(semaphore)
+        return semaphore
 
 
-def give_back_alarm(alarm: Alarm) -> None:
-    """Return ``alarm`` to the pool (rings still on their way only wake a later sleeper early)."""
-    with _alarms_lock:
-        _idle_alarms.append(alarm)
+def give_back_wake_semaphore(semaphore: WakeSemaphore) -> None:
+    """Return ``semaphore`` to the pool (rings still on their way only wake a later sleeper early)."""
+    with _wake_semaphores_lock:
+        _idle_wake_semaphores.append(semaphore)
 
 
 class Mailbox:

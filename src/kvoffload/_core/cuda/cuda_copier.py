@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base.cross_thread import Alarm
+from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout, runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
@@ -94,8 +94,8 @@ class CudaBlockCopier:
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         # Rings for threads asleep until a load lands: host functions wait here, delaying no copy.
-        self._alarm_stream = torch.cuda.Stream(device=layout.device)
-        self._alarm_lock = threading.Lock()
+        self._ring_stream = torch.cuda.Stream(device=layout.device)
+        self._ring_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
@@ -141,15 +141,15 @@ class CudaBlockCopier:
         self._calls.wait(self._kstream, handle)
         self._calls.wait(self._cstream, handle)
 
-    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
-        """Have the driver ring ``alarm`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore) -> None:
+        """Have the driver ring ``semaphore`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL)."""
         self._calls.ensure_context(self._device_index)
-        stream = self._alarm_stream.cuda_stream
-        with self._alarm_lock:  # one waiting thread's wait and ring at a time: each ring after its event
+        stream = self._ring_stream.cuda_stream
+        with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
             self._calls.wait(stream, _event_handle(event))
-            self._calls.launch_host_func(stream, Alarm.RING_FUNCTION, alarm.address)
+            self._calls.launch_host_func(stream, WakeSemaphore.RING_FUNCTION, semaphore.address)
 
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..base.cross_thread import Alarm
+from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout, runs
 from ..base.options import Options
 from ..cuda.events import CopyEvent
@@ -54,8 +54,8 @@ class BlockCopier(Protocol):
         """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
         ...
 
-    def ring_when_complete(self, event: CopyEvent, alarm: Alarm) -> None:
-        """Have ``alarm`` rung once ``event`` (one of this copier's completion events) completes,
+    def ring_when_complete(self, event: CopyEvent, semaphore: WakeSemaphore) -> None:
+        """Have ``semaphore`` rung once ``event`` (one of this copier's completion events) completes,
         without Python running meanwhile."""
         ...
 
@@ -98,8 +98,8 @@ class CpuBlockCopier:
     def stops_on(self, flag: Any) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def ring_when_complete(self, event: Any, alarm: Alarm) -> None:
-        alarm.ring()  # CPU copies are complete when they return
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore) -> None:
+        semaphore.ring()  # CPU copies are complete when they return
 
     def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         if self._memcpy is not None:

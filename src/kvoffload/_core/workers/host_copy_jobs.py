@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .copy_submission import CopyRequest, CopySubmitter, HandOver, SubmittedCopies
-from ..base.cross_thread import Alarm, give_back_alarm, take_alarm
+from ..base.cross_thread import WakeSemaphore, give_back_wake_semaphore, take_wake_semaphore
 from ..base.helper_threads import mark_own_thread
 from ..cuda.events import CompletionBridge, CopyEvent, completed, wait_completed
 from ..base.foreign import ForeignCallError
@@ -63,8 +63,8 @@ class HostCopyJob:
         self.copies = copies
         self.next_landing = 0
         self.ended = False
-        self.sleepers: list[Alarm] = []
-        """Alarms of threads asleep until the job's copies land (:meth:`HostCopyJobs.finish_landed`): rung at its end."""
+        self.sleepers: list[WakeSemaphore] = []
+        """Wake semaphores of threads asleep until the job's copies land (:meth:`HostCopyJobs.finish_landed`): rung at its end."""
 
 
 class HostCopyJobs:
@@ -143,7 +143,7 @@ class HostCopyJobs:
         ``wait``: first sleep until its last copy completes (the GIL released): one take of the GIL
         when it lands, where a waiter woken by the worker needs two (the worker's, then its own), each
         up to the interpreter's switch interval behind a thread busy in Python. In the driver when
-        nothing can end the job sooner; a load with a cancel flag sleeps on an alarm instead
+        nothing can end the job sooner; a load with a cancel flag sleeps on a wake semaphore instead
         (:meth:`_sleep_until_landed`), which its end rings too."""
         copies = job.copies
         if job.ended or copies is None or copies.error is not None or job.control.cancel_requested:
@@ -177,28 +177,28 @@ class HostCopyJobs:
         return True
 
     def _sleep_until_landed(self, job: HostCopyJob, last: Any) -> bool:
-        """Sleep on an alarm, the GIL released, until ``last`` (``job``'s last copy event) completes,
+        """Sleep on a wake semaphore, the GIL released, until ``last`` (``job``'s last copy event) completes,
         rung by the driver, or ``job`` ends, rung by :meth:`_finish` (a cancel ends it within a
-        chunk); True if ``last`` completed, ForeignCallError if it failed. Without alarms (no POSIX
+        chunk); True if ``last`` completed, ForeignCallError if it failed. Without wake semaphores (no POSIX
         semaphores): only asks."""
         try:
-            alarm = take_alarm()
+            semaphore = take_wake_semaphore()
         except OSError:
             return completed(last)
-        job.sleepers.append(alarm)
+        job.sleepers.append(semaphore)
         try:
             try:
-                self.submitter.copier.ring_when_complete(last, alarm)
+                self.submitter.copier.ring_when_complete(last, semaphore)
             except Exception:  # a failed device: the worker ends the job, and rings
                 log.debug("%s: could not enqueue a ring for a waiting thread", self.loop.name, exc_info=True)
             while not completed(last):
                 if job.ended or job.control.cancel_requested:
                     return False
-                alarm.sleep(self.RECHECK_ASLEEP_S)
+                semaphore.sleep(self.RECHECK_ASLEEP_S)
             return True
         finally:
-            job.sleepers.remove(alarm)
-            give_back_alarm(alarm)
+            job.sleepers.remove(semaphore)
+            give_back_wake_semaphore(semaphore)
 
     def _stop_early(self, job: HostCopyJob) -> None:
         """The transfer's canceller (any thread): raise its cancel flag, so that its kernels skip
@@ -424,8 +424,8 @@ class HostCopyJobs:
 
     def _finish(self, job: HostCopyJob, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         end_transfer(self.loop.name, job.control, None, job.on_end, result, exc, cancelled)
-        for alarm in tuple(job.sleepers):
-            alarm.ring()
+        for semaphore in tuple(job.sleepers):
+            semaphore.ring()
 
     def end_all(self) -> None:
         """At shutdown (on the loop): stop the landing watcher, let the copies of every host-copy job
@@ -450,7 +450,7 @@ def _nothing() -> None:
 
 class LandingWatcher:
     """Ends GPU host-copy jobs of one copy as their copy lands, on a thread of its own that sleeps on
-    a semaphore (an :class:`~.cross_thread.Alarm`) which the copier has the driver ring once the
+    a semaphore (a :class:`~..base.cross_thread.WakeSemaphore`) which the copier has the driver ring once the
     copy's event completes (``ring_when_complete``, a host function on a stream of its own).
 
     The caller's thread hands a job over without waking anybody (the watcher takes the
@@ -468,7 +468,7 @@ class LandingWatcher:
 
     def __init__(self, jobs: HostCopyJobs, name: str) -> None:
         self._jobs = jobs
-        self._alarm = take_alarm()  # OSError without semaphores: the caller falls back
+        self._semaphore = take_wake_semaphore()  # OSError without semaphores: the caller falls back
         self._watched: list[HostCopyJob] = []
         self._lock = threading.Lock()
         self._ring_pending = False
@@ -496,15 +496,15 @@ class LandingWatcher:
         event = job.copies.events[0] if job.copies is not None else None
         assert event is not None  # a watched job has one copy
         try:
-            self._jobs.submitter.copier.ring_when_complete(event, self._alarm)
+            self._jobs.submitter.copier.ring_when_complete(event, self._semaphore)
         except Exception:  # a failed device: the watcher's next look finds the copy failed
             log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
-            self._alarm.ring()
+            self._semaphore.ring()
 
     def _run(self) -> None:
         mark_own_thread()
         while not self._stopping:
-            self._alarm.sleep(self.RECHECK_S if self._watched else self.IDLE_RECHECK_S)
+            self._semaphore.sleep(self.RECHECK_S if self._watched else self.IDLE_RECHECK_S)
             if self._watched:
                 try:
                     self._sweep()
@@ -541,14 +541,14 @@ class LandingWatcher:
             self._ring_after(oldest)
 
     def stop(self) -> list[HostCopyJob]:
-        """Stop the thread and give the alarm back; the jobs still watched, not yet taken, are
+        """Stop the thread and give the semaphore back; the jobs still watched, not yet taken, are
         returned for the worker to end."""
         with self._lock:
             self._stopping = True  # nothing is handed over from here on (watch() refuses)
-        self._alarm.ring()
+        self._semaphore.ring()
         self._thread.join(5.0)
         if not self._thread.is_alive():
-            give_back_alarm(self._alarm)
+            give_back_wake_semaphore(self._semaphore)
         with self._lock:
             left, self._watched = self._watched, []
         return [job for job in left if not job.hand_over.taken]
