@@ -520,7 +520,7 @@ class LandingWatcher:
         gone: set[int] = set()
         jobs = self._jobs
         for job in watched:
-            if job.hand_over.taken or jobs._take(job):
+            if not job.ended and (job.hand_over.taken or jobs._take(job)):  # else: ended by a waiter, or withdrawn
                 event = job.copies.events[0] if job.copies is not None else None
                 assert event is not None  # a watched job has one copy (HostCopyJobs._landing_watcher)
                 try:
