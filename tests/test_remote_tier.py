@@ -467,27 +467,18 @@ async def test_remote_hits_go_to_disk_slots_when_every_host_slot_is_held(server,
         off.close()
 
 
-def wait_for_writes(off: kvoffload.Offloader, timeout: float = 10.0) -> kvoffload.OffloaderStats:
-    """The stats once no background write is pending."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = off.stats()
-        if s.remote_writes_pending == 0 or time.monotonic() > deadline:
-            return s
-        time.sleep(0.01)
-
-
 @pytest.mark.asyncio
 async def test_write_on_eviction_sends_a_block_only_as_the_local_tiers_evict_it(server):
     writer = kvoffload.Offloader(random_caches(BLOCKS, seed=SEED), host_blocks=4, remote=server.url, remote_write="evict").start()
     try:
         writer.store({f"a{i}": i for i in range(4)}).result(10)
-        assert wait_for_writes(writer).remote_writes == 0 and server.command("DBSIZE") == 0  # nothing evicted, nothing sent
+        s = writer.stats()  # a write is counted pending before the store's end (through) or at the eviction (evict)
+        assert s.remote_writes_pending == 0 and s.remote_writes == 0 and server.command("DBSIZE") == 0  # nothing evicted, nothing sent
         writer.store({f"b{i}": 4 + i for i in range(4)}).result(10)  # evicts a0..a3 and overwrites their slots
-        s = wait_for_writes(writer)
-        assert s.remote_writes == 4 and s.evicted == 4 and s.remote_writes_dropped == 0
     finally:
-        writer.close()
+        writer.close()  # waits for the background writes
+    s = writer.stats()
+    assert s.remote_writes == 4 and s.evicted == 4 and s.remote_writes_dropped == 0 and s.remote_write_failures == 0
     off = reader(server.url)
     try:
         assert await off.alookup([f"a{i}" for i in range(4)] + ["b0"]) == 4  # the b's were never evicted
@@ -506,10 +497,10 @@ async def test_write_on_eviction_reads_blocks_evicted_from_the_disk_tier(server,
     try:
         for i in range(0, 6, 2):  # the third store spills the second, whose disk slots the first held
             writer.store({f"e{i}": i, f"e{i + 1}": i + 1}).result(10)
-        s = wait_for_writes(writer)
-        assert s.evicted_disk == 2 and s.remote_writes == 2 and s.spilled == 4
     finally:
-        writer.close()
+        writer.close()  # waits for the background writes
+    s = writer.stats()
+    assert s.evicted_disk == 2 and s.remote_writes == 2 and s.spilled == 4
     off = reader(server.url)
     try:
         assert await off.alookup(["e0", "e1", "e2"]) == 2
@@ -526,10 +517,10 @@ def test_write_on_eviction_drops_what_finds_no_staging_room_and_counts_it(server
     try:
         off.store({f"x{i}": i for i in range(8)}).result(10)
         off.store({f"y{i}": 8 + i for i in range(8)}).result(10)  # 8 evicted at once, one staging slot
-        s = wait_for_writes(off)
-        assert s.evicted == 8 and s.remote_writes == 1 and s.remote_writes_dropped == 7
     finally:
-        off.close()
+        off.close()  # waits for the background write
+    s = off.stats()
+    assert s.evicted == 8 and s.remote_writes == 1 and s.remote_writes_dropped == 7
 
 
 def test_remote_write_modes_are_checked():
