@@ -339,6 +339,9 @@ class RemoteTier:
                 try:
                     await disk.read_rows(staging.rows, slots, [p.slot for p in window]).wait()
                     await self._put([p.entry.key for p in window], [staging.rows[s] for s in slots])
+                except Exception as e:  # a failed disk read: this write and the rest of it fail (counted below)
+                    log.warning("kvoffload: reading %d disk copies for the remote failed: %s", len(window), e)
+                    raise
                 finally:
                     staging.give_back(slots)
                 self._unpin_sent(left, window)
