@@ -188,9 +188,9 @@ def test_transfers_from_a_thread_that_never_used_cuda():
 
 
 def test_batch_copy_resolved_and_slab_pinned():
-    from kvoffload._core.cuda.driver import BatchCopy, driver
+    from kvoffload._core.cuda.driver import CopyEntryPoints, driver
 
-    assert BatchCopy().batched, "cuMemcpyBatchAsync should resolve on a CUDA 12.8+ driver"
+    assert CopyEntryPoints().batched, "cuMemcpyBatchAsync should resolve on a CUDA 12.8+ driver"
     with kvoffload.Offloader(gpu_caches(8), host_blocks=8) as off:
         buf = pinned_buffers(off)[0]
         assert buf.pinned

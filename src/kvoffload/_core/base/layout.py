@@ -18,12 +18,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["SLOT_ALIGN", "BlockLayout", "PieceAddress", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
+__all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
 
 SLOT_ALIGN = 4096
 """Slot size and slot addresses are multiples of this (safe for O_DIRECT)."""
@@ -55,15 +54,6 @@ class TensorPiece:
     """Bytes from one block's piece to the next in the tensor (``nbytes`` when blocks are packed)."""
     index: tuple[int, ...] = ()
 
-
-class PieceAddress(NamedTuple):
-    """Where a piece's bytes are, as plain ints for the copy loops: block ``b``'s piece is at
-    ``cache_base + b * stride`` in its tensor and at ``offset`` in a slot, ``nbytes`` long."""
-
-    cache_base: int
-    stride: int
-    offset: int
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -162,9 +152,13 @@ class BlockLayout:
             rows.append(view)
         return rows
 
-    def piece_addresses(self, rows: Sequence[torch.Tensor]) -> list[PieceAddress]:
-        """Each piece's addresses (``rows``: :meth:`block_rows`), in :attr:`pieces` order."""
-        return [PieceAddress(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(rows, self.pieces)]
+    def piece_table(self, rows: Sequence[torch.Tensor]) -> np.ndarray:
+        """Where each piece's bytes are, in :attr:`pieces` order (``rows``: :meth:`block_rows`), for the
+        copy loops of :mod:`.piece_copies`: ``uint64[pieces, 4]`` rows of (cache address of block 0,
+        block stride, offset in a host slot, bytes): block ``b``'s piece is at ``address + b * stride``
+        in its tensor and at ``offset`` in a slot, ``bytes`` long."""
+        table = [(r.data_ptr(), p.stride, p.offset, p.nbytes) for r, p in zip(rows, self.pieces)]
+        return np.array(table, dtype=np.uint64).reshape(len(table), 4)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ exactly like host slots, and moved with ``cuMemcpyBatchAsync``, one descriptor
 per run of consecutive host slots. Loads run the same way backwards and scatter.
 The gather and the scatter are one launch of a kernel compiled at run time with
 NVRTC (``kernels.py``); where NVRTC is unavailable, one torch ``index_select`` /
-``index_copy_`` per tensor.
+``index_copy_`` per tensor. The DMA descriptors are built and handed to the driver in C
+(``base/piece_copies.c``), one call per chunk.
 
 Copies are submitted from the callers' threads (host-tier transfers are enqueued
 whole at call time) or from a worker loop (disk tier, spills), one at a time under
@@ -39,7 +40,7 @@ the kernel stream, so each direction's completions arrive in submission order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,9 +48,10 @@ import numpy as np
 import torch
 
 from ..base.cross_thread import WakeSemaphore
-from ..base.layout import BlockLayout, runs
+from ..base.layout import BlockLayout
+from ..base.piece_copies import enqueue_pieces, enqueue_runs
 from .cancel_flags import CancelFlag, CancelFlags
-from .driver import BatchCopy, DriverEvent, enqueue_calls, host_device_address
+from .driver import CopyEntryPoints, DriverEvent, enqueue_calls, host_device_address
 from .kernels import HostScatter, piece_kernel
 
 __all__ = ["CudaBlockCopier"]
@@ -75,9 +77,6 @@ def _event_handle(event: Any) -> int:
 class CudaBlockCopier:
     """One direction's streams, staging buffers and batched copy."""
 
-    FEW_COPIES = 64
-    """Copies of at most this many descriptors get their addresses as Python ints, not numpy arrays."""
-
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
         gather_ctas: int = 0, priority: int = 0, kernel_priority: int | None = None, copy_engine: str = "kernel",
@@ -99,7 +98,7 @@ class CudaBlockCopier:
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
-        self._copy = BatchCopy(use_batch=use_batch_copy)
+        self._copies = CopyEntryPoints(use_batch=use_batch_copy)
         # copy_engine="dma": no kernel at all; every piece is a DMA descriptor (no SM time)
         self._kernel = piece_kernel(self._device_index) if copy_engine == "kernel" else None
         # Loads by the SMs straight from host slots: what overtakes a bulk load, whose DMAs fill the
@@ -115,15 +114,11 @@ class CudaBlockCopier:
         self._flags = CancelFlags(layout.device) if self._kernel is not None else None
         self._cancel = (0, 0)  # the cancel flag of the copies being enqueued (address, generation), see stops_on
         self.direct_max_copies = 8 if self._kernel is not None else 128  # torch's gather: a launch per tensor
-        # Per piece: cache address of block 0, stride, offset in a slot and bytes, as Python ints (few direct
-        # descriptors) and numpy columns (many); the same on the GPU for the kernel.
-        self._piece_addresses = layout.piece_addresses(self._rows)
-        columns = np.ascontiguousarray(np.array(self._piece_addresses, dtype=np.uint64).T)
-        self._bases, self._piece_strides, self._piece_offsets, self._piece_bytes = columns
-        self._tables = torch.tensor(
-            np.stack([self._bases, self._piece_bytes, self._piece_offsets, self._piece_strides]).astype(np.int64),
-            device=layout.device,
-        )
+        # Per piece: cache address of block 0, stride, offset in a slot and bytes, for the DMA descriptors
+        # built in C; the same on the GPU for the kernel.
+        self._piece_table = layout.piece_table(self._rows)
+        bases, strides, offsets, nbytes = self._piece_table.T
+        self._tables = torch.tensor(np.stack([bases, nbytes, offsets, strides]).astype(np.int64), device=layout.device)
         self._mover = self._kernel.mover(self._tables, len(self._pieces), layout.slot_bytes) if self._kernel is not None else None
 
     def caller_event(self) -> DriverEvent:
@@ -174,34 +169,17 @@ class CudaBlockCopier:
             return True
         return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
 
-    def _direct_dma(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
-        """One descriptor per (tensor, block) between cache and host slots, no staging."""
-        if len(block_ids) * len(self._pieces) <= self.FEW_COPIES:  # Python ints: numpy costs more than it saves
-            slot, hbase = self._layout.slot_bytes, host.data_ptr()
-            caddrs: list[int] = []
-            haddrs: list[int] = []
-            sizes: list[int] = []
-            for b, r in zip(block_ids, rows):
-                h = hbase + r * slot
-                for base, stride, offset, nbytes in self._piece_addresses:
-                    caddrs.append(base + b * stride)
-                    haddrs.append(h + offset)
-                    sizes.append(nbytes)
-            self._enqueue(self._copy.few, haddrs, caddrs, sizes, to_host)
-            return
-        ids = np.asarray(block_ids, dtype=np.uint64)
-        hr = np.asarray(rows, dtype=np.uint64)
-        cache_addrs = (self._bases[:, None] + ids[None, :] * self._piece_strides[:, None]).ravel()
-        host_addrs = (host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]).ravel()
-        piece_sizes = np.repeat(self._piece_bytes, len(ids))
-        self._enqueue(self._copy, host_addrs, cache_addrs, piece_sizes, to_host)
-
-    def _enqueue(self, copy: Callable[..., None], host_addrs: Any, device_addrs: Any, sizes: Any, to_host: bool) -> None:
-        """One batch of DMAs between host and device addresses, in the direction ``to_host`` says."""
-        if to_host:
-            copy(host_addrs, device_addrs, sizes, self._cstream)
-        else:
-            copy(device_addrs, host_addrs, sizes, self._cstream)
+    def _direct_dma(
+        self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool, pieces: range | None = None,
+    ) -> None:
+        """One descriptor per (block, piece) between cache and host slots, no staging (``pieces``: those
+        of one span of tensors, else all)."""
+        first, stop = (0, len(self._pieces)) if pieces is None else (pieces.start, pieces.stop)
+        outcome = enqueue_pieces(
+            self._copies.functions, self._cstream, to_host, host.data_ptr(), self._layout.slot_bytes, block_ids, rows,
+            self._piece_table, first, stop,
+        )
+        self._copies.check(outcome, len(block_ids) * (stop - first))
 
     def _take_staging(self, stream: int) -> tuple[int, torch.Tensor]:
         b = self._turn
@@ -213,26 +191,10 @@ class CudaBlockCopier:
 
     def _dma(self, staging: torch.Tensor, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
         """Staging rows 0..n-1 <-> host ``rows``: one descriptor per run of consecutive host rows."""
-        slot = self._layout.slot_bytes
-        if len(rows) <= self.FEW_COPIES:  # Python ints: numpy costs more than it saves
-            hbase, sbase = host.data_ptr(), staging.data_ptr()
-            haddrs: list[int] = []
-            saddrs: list[int] = []
-            sizes: list[int] = []
-            start = 0
-            for i in range(1, len(rows) + 1):
-                if i == len(rows) or rows[i] != rows[i - 1] + 1:
-                    haddrs.append(hbase + rows[start] * slot)
-                    saddrs.append(sbase + start * slot)
-                    sizes.append((i - start) * slot)
-                    start = i
-            self._enqueue(self._copy.few, haddrs, saddrs, sizes, to_host)
-            return
-        starts, lengths = runs(rows)
-        host_addrs = host.data_ptr() + np.asarray(rows, dtype=np.uint64)[starts] * np.uint64(slot)
-        stage_addrs = staging.data_ptr() + starts.astype(np.uint64) * np.uint64(slot)
-        run_bytes = lengths.astype(np.uint64) * np.uint64(slot)
-        self._enqueue(self._copy, host_addrs, stage_addrs, run_bytes, to_host)
+        outcome = enqueue_runs(
+            self._copies.functions, self._cstream, to_host, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows,
+        )
+        self._copies.check(outcome, len(rows))
 
     def _gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
         """Cache blocks <-> staging rows 0..n-1, on the kernel stream."""
@@ -299,16 +261,9 @@ class CudaBlockCopier:
         self._calls.ensure_context(self._device_index)
         if self._kernel is not None:
             return self._scatter_by_tensor(host, rows, block_ids)
-        ids = np.asarray(block_ids, dtype=np.uint64)
-        hr = np.asarray(rows, dtype=np.uint64)
-        # [piece, block] addresses for every piece at once; each tensor takes its rows of pieces
-        cache_addrs = self._bases[:, None] + ids[None, :] * self._piece_strides[:, None]
-        host_addrs = host.data_ptr() + hr[None, :] * np.uint64(self._layout.slot_bytes) + self._piece_offsets[:, None]
-        sizes = np.repeat(self._piece_bytes[:, None], len(ids), axis=1)
         events: list[DriverEvent] = []
         for pieces in self._tensor_spans:
-            sel = slice(pieces.start, pieces.stop)
-            self._copy(cache_addrs[sel].ravel(), host_addrs[sel].ravel(), sizes[sel].ravel(), self._cstream)
+            self._direct_dma(block_ids, host, rows, to_host=False, pieces=pieces)
             events.append(self._record(self._cstream))
         return events
 

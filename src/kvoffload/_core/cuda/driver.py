@@ -2,9 +2,9 @@
 
 cuda-bindings serves here for what it is good at: resolving entry points
 (``cuGetProcAddress``), host registration, error names, and the layout of
-``CUmemcpyAttributes``. The batched copy itself is called through ctypes with
-numpy address arrays, because building a list of Python objects per
-descriptor costs more CPU than the copy is worth.
+``CUmemcpyAttributes``. The calls that enqueue work are made through ctypes
+(:class:`EnqueueCalls`) or from C (:mod:`..base.piece_copies`, given the entry
+points' addresses): the bindings' argument conversion costs microseconds per call.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 
 __all__ = [
-    "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "BatchCopy",
+    "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "CopyEntryPoints",
     "enqueue_calls", "EnqueueCalls", "DriverEvent",
 ]
 
@@ -138,93 +137,55 @@ def driver_version() -> int:
     return int(v)
 
 
-class BatchCopy:
-    """Enqueue many pointer-to-pointer copies on a stream in one driver call.
+class CopyEntryPoints:
+    """The driver functions that enqueue pointer-to-pointer copies, for :mod:`..base.piece_copies`,
+    which builds the descriptors and calls them in C.
 
-    Uses ``cuMemcpyBatchAsync`` (12.8 ABI) where the driver has it, else one
-    ``cuMemcpyAsync`` per copy. ``use_batch=False`` forces the fallback (tests).
+    ``cuMemcpyBatchAsync`` (12.8 ABI) takes a transfer's copies in one call where the driver has
+    it, else ``cuMemcpyAsync`` runs once per copy; ``use_batch=False`` forces the latter (tests).
     The stream must not be the legacy default stream.
     """
 
     def __init__(self, use_batch: bool = True) -> None:
         cu = driver()
-        self._cu = cu
-        self._fn = self._resolve_batch() if use_batch else None
+        batch = self._resolve_batch(cu) if use_batch else 0
         attrs = cu.CUmemcpyAttributes()
         attrs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
         attrs.flags = 0
-        self._attrs = attrs  # kept alive: its memory is passed by address
-        self._attrs_idx = np.zeros(1, dtype=np.uintp)
-        self._fail_idx = ctypes.c_size_t(0)
-        # Addresses computed once: numpy's .ctypes and the bindings' getPtr() cost microseconds per call.
-        self._attrs_ptr = int(attrs.getPtr())
-        self._attrs_idx_ptr = int(self._attrs_idx.ctypes.data)
-        self._fail_idx_ptr = ctypes.addressof(self._fail_idx)
+        self._attrs = attrs  # kept alive: C reads it by address
+        self.functions: tuple[int, int, int] = (batch, _proc_address(cu, "cuMemcpyAsync"), int(attrs.getPtr()))
+        """(``cuMemcpyBatchAsync`` or 0, ``cuMemcpyAsync``, the copies' ``CUmemcpyAttributes``), as addresses."""
 
     @property
     def batched(self) -> bool:
         """True when copies go through cuMemcpyBatchAsync."""
-        return self._fn is not None
+        return self.functions[0] != 0
 
-    def _resolve_batch(self) -> Any:
-        cu = self._cu
+    @staticmethod
+    def _resolve_batch(cu: Any) -> int:
         if driver_version() < BATCH_ABI_VERSION:
             log.info("driver older than CUDA 12.8: using cuMemcpyAsync per copy")
-            return None
+            return 0
         err, pfn, _status = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_ABI_VERSION, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
         if int(err) != 0 or not int(pfn):
             log.info("cuMemcpyBatchAsync not available: using cuMemcpyAsync per copy")
-            return None
-        proto = ctypes.PYFUNCTYPE(  # keeps the GIL: see EnqueueCalls
-            ctypes.c_int,
-            ctypes.c_void_p,  # CUdeviceptr* dsts
-            ctypes.c_void_p,  # CUdeviceptr* srcs
-            ctypes.c_void_p,  # size_t* sizes
-            ctypes.c_size_t,  # count
-            ctypes.c_void_p,  # CUmemcpyAttributes* attrs
-            ctypes.c_void_p,  # size_t* attrsIdxs
-            ctypes.c_size_t,  # numAttrs
-            ctypes.c_void_p,  # size_t* failIdx (12.8 ABI)
-            ctypes.c_void_p,  # CUstream
-        )
-        return proto(int(pfn))
+            return 0
+        return int(pfn)
 
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """Copy ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i, in stream order."""
-        n = len(sizes)
-        if n == 0:
-            return
-        if self._fn is not None:
-            dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
-            srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
-            sizes = np.ascontiguousarray(sizes, dtype=np.uintp)
-            self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, stream)
-            return
-        self._one_by_one(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)
+    def check(self, outcome: tuple[int, int], copies: int) -> None:
+        """Raise :class:`CudaError` if the enqueueing ``piece_copies`` call returning ``outcome`` failed."""
+        err, failed = outcome
+        if err:
+            check(f"{'cuMemcpyBatchAsync' if self.batched else 'cuMemcpyAsync'} (copy {failed} of {copies})", err)
 
-    def few(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> None:
-        """:meth:`__call__` for a handful of copies given as Python ints (one block, say): no numpy."""
-        n = len(sizes)
-        if n == 0:
-            return
-        if self._fn is not None:
-            arr = ctypes.c_uint64 * n
-            d, s, z = arr(*dsts), arr(*srcs), (ctypes.c_size_t * n)(*sizes)
-            self._batch(ctypes.addressof(d), ctypes.addressof(s), ctypes.addressof(z), n, stream)
-            return
-        self._one_by_one(dsts, srcs, sizes, stream)
 
-    def _batch(self, dsts: int, srcs: int, sizes: int, n: int, stream: int) -> None:
-        assert self._fn is not None
-        err = self._fn(dsts, srcs, sizes, n, self._attrs_ptr, self._attrs_idx_ptr, 1, self._fail_idx_ptr, stream)
-        if err != 0:
-            check(f"cuMemcpyBatchAsync (copy {self._fail_idx.value} of {n})", err)
-
-    def _one_by_one(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> None:
-        cu = self._cu
-        for d, s, z in zip(dsts, srcs, sizes):
-            (err,) = cu.cuMemcpyAsync(d, s, z, stream)
-            check("cuMemcpyAsync", err)
+def _proc_address(cu: Any, name: str, version: int = 12000) -> int:
+    """The address of driver function ``name`` as of CUDA ``version``'s ABI."""
+    err, pfn, _status = cu.cuGetProcAddress(name.encode(), version, cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
+    check(f"cuGetProcAddress({name})", err)
+    if not int(pfn):
+        raise CudaError(f"cuGetProcAddress({name})", 500, "CUDA_ERROR_NOT_FOUND", "no such driver entry point")
+    return int(pfn)
 
 
 # -- calls that enqueue work, made without releasing the GIL --------------------------------
@@ -245,15 +206,10 @@ class EnqueueCalls:
 
     def __init__(self) -> None:
         cu = driver()
-        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
 
         def resolve(name: str, *argtypes: Any, releasing_gil: bool = False) -> Any:
-            err, pfn, _status = cu.cuGetProcAddress(name.encode(), 12000, flags)
-            check(f"cuGetProcAddress({name})", err)
-            if not int(pfn):
-                raise CudaError(f"cuGetProcAddress({name})", 500, "CUDA_ERROR_NOT_FOUND", "no such driver entry point")
             prototype = ctypes.CFUNCTYPE if releasing_gil else ctypes.PYFUNCTYPE  # only calls that sleep release it
-            return prototype(ctypes.c_int, *argtypes)(int(pfn))
+            return prototype(ctypes.c_int, *argtypes)(_proc_address(cu, name))
 
         self.ctx_get_current = resolve("cuCtxGetCurrent", _VOID_P)
         self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
@@ -266,6 +222,8 @@ class EnqueueCalls:
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
+        self.launch_kernel_address = _proc_address(cu, "cuLaunchKernel")
+        """``cuLaunchKernel`` for C callers (:func:`..base.piece_copies.launch_pieces`)."""
         self.host_func_launch = resolve("cuLaunchHostFunc", _VOID_P, _VOID_P, _VOID_P)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..base.piece_copies import launch_pieces
 from .driver import check, context_for, driver, enqueue_calls
 
 __all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "PieceKernel", "PieceMover", "piece_kernel"]
@@ -174,6 +175,8 @@ class PieceMover:
             self._cancel, self._generation, self._blocks,
         ]
         self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
+        self._params_address, self._blocks_address = ctypes.addressof(self._params), ctypes.addressof(self._blocks)
+        self._launch = calls.launch_kernel_address
 
     def launch(
         self, stream: int, staging: int, block_ids: Sequence[int], gather: bool, max_ctas: int = 0,
@@ -187,14 +190,12 @@ class PieceMover:
         """
         self._staging.value, self._gather.value = staging, int(gather)
         self._cancel.value, self._generation.value = cancel
-        blocks = self._blocks
-        for first in range(0, len(block_ids), MAX_BLOCKS):
-            ids = block_ids[first : first + MAX_BLOCKS]
-            blocks.n, blocks.first = len(ids), first
-            blocks.ids[: len(ids)] = ids
-            err = self._calls.launch_kernel(self._func, _grid(len(ids) * self._tensors, max_ctas), 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
-            if err:
-                check("cuLaunchKernel(move_pieces)", err)
+        err = launch_pieces(
+            self._launch, self._func, stream, self._params_address, self._blocks_address, MAX_BLOCKS, self._tensors, THREADS,
+            max_ctas, block_ids,
+        )
+        if err:
+            check("cuLaunchKernel(move_pieces)", err)
 
 
 class HostScatter:

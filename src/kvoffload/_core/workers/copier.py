@@ -10,7 +10,6 @@ copier fills host-tier slots and disk bounce buffers alike.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -18,8 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from ..base.cross_thread import WakeSemaphore
-from ..base.layout import BlockLayout, runs
+from ..base.layout import BlockLayout
 from ..base.options import Options
+from ..base.piece_copies import memcpy_pieces
 from ..cuda.events import CopyEvent
 
 __all__ = ["BlockCopier", "CpuBlockCopier", "make_block_copier"]
@@ -67,22 +67,14 @@ class BlockCopier(Protocol):
 class CpuBlockCopier:
     """Synchronous copies between CPU-tensor caches and host rows.
 
-    Each (block, piece) is one libc ``memcpy`` called through ``ctypes.PYFUNCTYPE``, which keeps
-    the GIL: with another thread of the process busy in Python, a copy that released it (torch's
-    do) could wait the whole 5 ms switch interval to take it back, once per piece. Where libc's
-    ``memcpy`` cannot be found, runs of consecutive blocks and rows become one torch slice copy per
-    piece, or one gather/scatter per piece when runs are short and pieces small (measured on 2
-    cores: slice copies of 64 KiB pieces 6 GB/s, index_select/index_copy_ 1.5 GB/s).
+    One call of :func:`~..base.piece_copies.memcpy_pieces` per chunk walks its (block, piece)
+    pairs in C, one ``memcpy`` each, keeping the GIL: with another thread of the process busy in
+    Python, a copy that released it could wait the whole 5 ms switch interval to take it back.
     """
 
-    SLICE_MIN_BYTES = 16 << 10
-
     def __init__(self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], chunk_bytes: int) -> None:
-        self._pieces = layout.pieces
-        self._rows = layout.block_rows(kv_caches)
-        self._piece_addresses = layout.piece_addresses(self._rows)
-        self._avg_piece = layout.block_bytes / len(layout.pieces)
-        self._memcpy = _libc_memcpy()
+        self._rows = layout.block_rows(kv_caches)  # keeps the views (and the addresses below) alive
+        self._pieces = layout.piece_table(self._rows)
         self.chunk_blocks = layout.blocks_per_chunk(chunk_bytes)
 
     def caller_event(self) -> None:
@@ -101,54 +93,14 @@ class CpuBlockCopier:
     def ring_when_complete(self, event: Any, semaphore: WakeSemaphore) -> None:
         semaphore.ring()  # CPU copies are complete when they return
 
-    def _copy(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
-        if self._memcpy is not None:
-            memcpy, hbase, hstride = self._memcpy, host.data_ptr(), host.stride(0)
-            for b, r in zip(block_ids, rows):
-                row = hbase + r * hstride
-                for cbase, stride, offset, nbytes in self._piece_addresses:
-                    if to_host:
-                        memcpy(row + offset, cbase + b * stride, nbytes)
-                    else:
-                        memcpy(cbase + b * stride, row + offset, nbytes)
-            return
-        starts, lengths = runs(block_ids, rows)
-        if len(block_ids) * self._avg_piece / len(starts) >= self.SLICE_MIN_BYTES:
-            for s, n in zip(starts.tolist(), lengths.tolist()):
-                b, r = block_ids[s], rows[s]
-                for p, cache_rows in zip(self._pieces, self._rows):
-                    h = host[r : r + n, p.offset : p.offset + p.nbytes]
-                    c = cache_rows[b : b + n]
-                    (h.copy_(c) if to_host else c.copy_(h))
-            return
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
-        hrows = torch.as_tensor(rows, dtype=torch.int64)
-        for p, cache_rows in zip(self._pieces, self._rows):
-            h = host[:, p.offset : p.offset + p.nbytes]
-            if to_host:
-                h.index_copy_(0, hrows, cache_rows.index_select(0, ids))
-            else:
-                cache_rows.index_copy_(0, ids, h.index_select(0, hrows))
-
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:
-        self._copy(block_ids, host, rows, to_host=True)
+        memcpy_pieces(True, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces)
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> None:
-        self._copy(block_ids, host, rows, to_host=False)
+        memcpy_pieces(False, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces)
 
     def close(self) -> None:
         self._rows = []
-
-
-def _libc_memcpy() -> Any:
-    """libc's ``memcpy(dst, src, n)`` as a ctypes function that keeps the GIL, or None."""
-    try:
-        address = ctypes.cast(ctypes.CDLL(None).memcpy, ctypes.c_void_p).value
-    except (OSError, AttributeError):  # no libc to load (not a POSIX system)
-        return None
-    if not address:
-        return None
-    return ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
 
 
 def make_block_copier(

@@ -1,0 +1,247 @@
+"""The compiled piece copies (``_core/base/piece_copies.c``): what they copy, the descriptors and
+launches they hand the driver, and their refusals of bad input. The driver is stood in for by
+ctypes callbacks that record their arguments, so every path runs on a machine without CUDA."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload._core.base.piece_copies import enqueue_pieces, enqueue_runs, launch_pieces, memcpy_pieces
+
+SLOT = 4096
+
+
+def cache_and_table(blocks: int = 12, seed: int = 0) -> tuple[list[torch.Tensor], np.ndarray, int]:
+    """Three cache tensors of different piece sizes (one of them strided), their piece table, and
+    the bytes of a block's pieces back to back."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, 256, (blocks, 2, 700), dtype=torch.uint8, generator=g)
+    tensors = [
+        torch.randint(0, 256, (blocks, 1000), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (blocks, 24), dtype=torch.uint8, generator=g),
+        full[:, 1],  # rows 1400 bytes apart, 700 long
+    ]
+    table, offset = [], 0
+    for t in tensors:
+        table.append((t.data_ptr(), t.stride(0), offset, t.shape[1]))
+        offset += t.shape[1]
+    return tensors, np.array(table, dtype=np.uint64), offset
+
+
+def test_memcpy_pieces_round_trips_random_blocks_and_rows() -> None:
+    tensors, table, used = cache_and_table()
+    rng = random.Random(1)
+    ids = rng.sample(range(12), 7)
+    rows = rng.sample(range(20), 7)
+    host = torch.zeros((20, SLOT), dtype=torch.uint8)
+    memcpy_pieces(True, host.data_ptr(), host.stride(0), ids, rows, table)
+    for b, r in zip(ids, rows):
+        assert torch.equal(host[r, :used], torch.cat([t[b] for t in tensors])), (b, r)
+        assert not host[r, used:].any(), "bytes past the pieces were written"
+    untouched = sorted(set(range(20)) - set(rows))
+    assert not host[untouched].any()
+
+    originals = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    memcpy_pieces(False, host.data_ptr(), host.stride(0), ids, rows, table)
+    for t, o in zip(tensors, originals):
+        assert torch.equal(t[ids], o[ids])
+        others = sorted(set(range(12)) - set(ids))
+        assert not t[others].any(), "blocks not named were written"
+
+
+def test_memcpy_pieces_takes_numpy_ids_and_ranges() -> None:
+    tensors, table, used = cache_and_table()
+    host = torch.zeros((4, SLOT), dtype=torch.uint8)
+    memcpy_pieces(True, host.data_ptr(), SLOT, np.array([3, 5], dtype=np.int64), range(2, 4), table.tobytes())
+    assert torch.equal(host[3, :used], torch.cat([t[5] for t in tensors]))
+
+
+@pytest.mark.parametrize(
+    "ids, rows, table, error",
+    [
+        ([1, 2], [1], None, ValueError),  # lengths differ
+        ([-1], [0], None, OverflowError),
+        ([1.5], [0], None, TypeError),
+        ([1], ["0"], None, TypeError),
+        ([1], [0], b"\0" * 24, ValueError),  # not 4 uint64 per piece
+        (5, [0], None, TypeError),
+    ],
+)
+def test_memcpy_pieces_refuses_bad_input_and_copies_nothing(ids, rows, table, error) -> None:
+    tensors, good, _ = cache_and_table()
+    host = torch.zeros((4, SLOT), dtype=torch.uint8)
+    with pytest.raises(error):
+        memcpy_pieces(True, host.data_ptr(), SLOT, ids, rows, good if table is None else table)
+    assert not host.any()
+
+
+# -- the driver, stood in for --------------------------------------------------------------------
+
+BATCH = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_void_p,
+)
+ONE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+    ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+)
+
+
+class StandInCopies:
+    """Records what the C code hands cuMemcpyBatchAsync or cuMemcpyAsync; ``fail_at``: the copy whose
+    enqueueing fails (error 1)."""
+
+    def __init__(self, batched: bool, fail_at: int | None = None) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+        self.calls: list[int] = []  # the stream of each call
+        self.fail_at = fail_at
+        self.attrs = ctypes.c_uint64(0)
+        self._batch = BATCH(self._on_batch)
+        self._one = ONE(self._on_one)
+        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        self.functions = (address(self._batch) if batched else 0, address(self._one), ctypes.addressof(self.attrs))
+
+    def _on_batch(self, dsts, srcs, sizes, n, attrs, attrs_idx, num_attrs, fail_idx, stream) -> int:
+        assert attrs == ctypes.addressof(self.attrs) and num_attrs == 1 and attrs_idx[0] == 0
+        self.calls.append(stream)
+        self.copies += [(dsts[i], srcs[i], sizes[i]) for i in range(n)]
+        if self.fail_at is not None:
+            fail_idx[0] = self.fail_at
+            return 1
+        return 0
+
+    def _on_one(self, dst, src, size, stream) -> int:
+        self.calls.append(stream)
+        if self.fail_at == len(self.copies):
+            return 1
+        self.copies.append((dst, src, size))
+        return 0
+
+
+def expected_pieces(table: np.ndarray, host: int, ids: list[int], rows: list[int], to_host: bool, pieces: range) -> list[tuple[int, int, int]]:
+    out = []
+    for b, r in zip(ids, rows):
+        for j in pieces:
+            base, stride, offset, nbytes = (int(x) for x in table[j])
+            cache, h = base + b * stride, host + r * SLOT + offset
+            out.append((h, cache, nbytes) if to_host else (cache, h, nbytes))
+    return out
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize("blocks", [1, 3, 40])  # 40 blocks x 3 pieces: past the descriptors kept on the stack
+def test_enqueue_pieces_hands_the_driver_one_copy_per_block_and_piece(batched, to_host, blocks) -> None:
+    _tensors, table, _ = cache_and_table(blocks=64)
+    driver = StandInCopies(batched)
+    ids = random.Random(blocks).sample(range(64), blocks)
+    rows = list(range(100, 100 + blocks))
+    assert enqueue_pieces(driver.functions, 77, to_host, 1 << 40, SLOT, ids, rows, table, 0, 3) == (0, 0)
+    assert driver.copies == expected_pieces(table, 1 << 40, ids, rows, to_host, range(3))
+    assert driver.calls == ([77] if batched else [77] * (3 * blocks))
+
+
+def test_enqueue_pieces_of_a_span_of_tensors() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInCopies(batched=True)
+    enqueue_pieces(driver.functions, 1, False, 4096, SLOT, [4, 2], [0, 9], table, 1, 3)
+    assert driver.copies == expected_pieces(table, 4096, [4, 2], [0, 9], False, range(1, 3))
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_enqueue_reports_the_driver_error_and_the_copy_it_failed_on(batched) -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInCopies(batched, fail_at=4)
+    assert enqueue_pieces(driver.functions, 1, True, 0, SLOT, [0, 1, 2], [0, 1, 2], table, 0, 3) == (1, 4)
+    if not batched:
+        assert len(driver.copies) == 4, "copies after the failed one were enqueued"
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_enqueue_runs_hands_the_driver_one_copy_per_run_of_rows(batched, to_host) -> None:
+    driver = StandInCopies(batched)
+    rows = [5, 6, 7, 9, 3, 4, 100] + list(range(200, 300))
+    assert enqueue_runs(driver.functions, 3, to_host, 1 << 30, 1 << 20, SLOT, rows) == (0, 0)
+    runs = [(0, 5, 3), (3, 9, 1), (4, 3, 2), (6, 100, 1), (7, 200, 100)]  # (staging row, host row, rows)
+    want = []
+    for stage, host, n in runs:
+        h, s = (1 << 30) + host * SLOT, (1 << 20) + stage * SLOT
+        want.append((h, s, n * SLOT) if to_host else (s, h, n * SLOT))
+    assert driver.copies == want
+
+
+def test_enqueue_refuses_bad_input_without_calling_the_driver() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInCopies(batched=True)
+    with pytest.raises(ValueError, match="pieces"):
+        enqueue_pieces(driver.functions, 1, True, 0, SLOT, [0], [0], table, 2, 4)  # past the table
+    with pytest.raises(ValueError):
+        enqueue_pieces(driver.functions, 1, True, 0, SLOT, [0, 1], [0], table, 0, 3)
+    with pytest.raises(ValueError, match="no copy function"):
+        enqueue_runs((0, 0, 0), 1, True, 0, 0, SLOT, [0])
+    with pytest.raises(TypeError):
+        enqueue_runs([1, 2, 3], 1, True, 0, 0, SLOT, [0])
+    with pytest.raises(OverflowError):
+        enqueue_runs(driver.functions, 1, True, 0, 0, SLOT, [0, -3])
+    assert driver.calls == []
+
+
+class StandInLaunch:
+    """Records each launch's grid, block size, stream and the ``Blocks`` parameter it saw."""
+
+    def __init__(self, max_blocks: int, fail_on: int | None = None) -> None:
+        class Blocks(ctypes.Structure):
+            _fields_ = [("n", ctypes.c_int), ("first", ctypes.c_int), ("ids", ctypes.c_int * max_blocks)]
+
+        self.blocks = Blocks()
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.blocks))
+        self.launches: list[tuple[int, int, int, int, list[int]]] = []
+        self.fail_on = fail_on
+        self._fn = LAUNCH(self._on_launch)
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def _on_launch(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+        assert (f, gy, gz, by, bz, shared, extra) == (1234, 1, 1, 1, 1, 0, None)
+        assert params == ctypes.addressof(self.params)
+        b = self.blocks
+        self.launches.append((gx, bx, stream, b.first, list(b.ids[: b.n])))
+        return 7 if self.fail_on == len(self.launches) - 1 else 0
+
+    def launch(self, ids, tensors: int = 3, max_ctas: int = 0) -> int:
+        return launch_pieces(self.address, 1234, 55, ctypes.addressof(self.params), ctypes.addressof(self.blocks),
+                             len(self.blocks.ids), tensors, 256, max_ctas, ids)
+
+
+def test_launch_pieces_splits_ids_into_launches_of_max_blocks() -> None:
+    rig = StandInLaunch(max_blocks=4)
+    assert rig.launch(list(range(10, 20))) == 0
+    assert rig.launches == [
+        (12, 256, 55, 0, [10, 11, 12, 13]),  # a CTA per piece: 4 blocks x 3 tensors
+        (12, 256, 55, 4, [14, 15, 16, 17]),
+        (6, 256, 55, 8, [18, 19]),
+    ]
+
+
+def test_launch_pieces_caps_ctas_and_stops_at_the_first_error() -> None:
+    rig = StandInLaunch(max_blocks=2, fail_on=1)
+    assert rig.launch([1, 2, 3, 4, 5, 6], max_ctas=5) == 7
+    assert [(grid, first) for grid, _, _, first, _ in rig.launches] == [(5, 0), (5, 2)], "launched past the failed one"
+
+
+def test_launch_pieces_refuses_ids_the_kernel_cannot_hold() -> None:
+    rig = StandInLaunch(max_blocks=4)
+    with pytest.raises(OverflowError):
+        rig.launch([1, 2**31])
+    with pytest.raises(ValueError):
+        launch_pieces(0, 1234, 55, 0, 0, 4, 3, 256, 0, [1])
+    assert rig.launches == []
