@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import random
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,7 +42,7 @@ def test_memcpy_pieces_round_trips_random_blocks_and_rows() -> None:
     ids = rng.sample(range(12), 7)
     rows = rng.sample(range(20), 7)
     host = torch.zeros((20, SLOT), dtype=torch.uint8)
-    memcpy_pieces(True, host.data_ptr(), host.stride(0), ids, rows, table)
+    memcpy_pieces(True, host.data_ptr(), host.stride(0), ids, rows, table, 0)
     for b, r in zip(ids, rows):
         assert torch.equal(host[r, :used], torch.cat([t[b] for t in tensors])), (b, r)
         assert not host[r, used:].any(), "bytes past the pieces were written"
@@ -49,7 +52,7 @@ def test_memcpy_pieces_round_trips_random_blocks_and_rows() -> None:
     originals = [t.clone() for t in tensors]
     for t in tensors:
         t.zero_()
-    memcpy_pieces(False, host.data_ptr(), host.stride(0), ids, rows, table)
+    memcpy_pieces(False, host.data_ptr(), host.stride(0), ids, rows, table, 0)
     for t, o in zip(tensors, originals):
         assert torch.equal(t[ids], o[ids])
         others = sorted(set(range(12)) - set(ids))
@@ -59,8 +62,40 @@ def test_memcpy_pieces_round_trips_random_blocks_and_rows() -> None:
 def test_memcpy_pieces_takes_numpy_ids_and_ranges() -> None:
     tensors, table, used = cache_and_table()
     host = torch.zeros((4, SLOT), dtype=torch.uint8)
-    memcpy_pieces(True, host.data_ptr(), SLOT, np.array([3, 5], dtype=np.int64), range(2, 4), table.tobytes())
+    memcpy_pieces(True, host.data_ptr(), SLOT, np.array([3, 5], dtype=np.int64), range(2, 4), table.tobytes(), 0)
     assert torch.equal(host[3, :used], torch.cat([t[5] for t in tensors]))
+
+
+@pytest.mark.parametrize("release_gil_bytes, released", [(0, False), (1 << 40, False), (1 << 20, True)])
+def test_memcpy_pieces_releases_the_gil_only_for_copies_of_release_gil_bytes(release_gil_bytes, released) -> None:
+    blocks, piece = 64, 1 << 20  # 64 MiB: long enough for another thread to run meanwhile
+    cache = torch.ones((blocks, piece), dtype=torch.uint8)
+    table = np.array([(cache.data_ptr(), piece, 0, piece)], dtype=np.uint64)
+    host = torch.zeros((blocks, piece), dtype=torch.uint8)
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+            if counted[0] % 1000 == 0:
+                time.sleep(0)  # gives the GIL back to the copying thread once its copy has returned
+
+    interval = sys.getswitchinterval()
+    counter = threading.Thread(target=count)
+    try:
+        counter.start()
+        while not counted[0]:
+            time.sleep(0.001)
+        sys.setswitchinterval(10.0)  # from here the GIL changes hands where released, at no switch interval
+        before = counted[0]
+        memcpy_pieces(True, host.data_ptr(), piece, range(blocks), range(blocks), table, release_gil_bytes)
+        during = counted[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        counter.join()
+    assert host.all(), "not every byte was copied"
+    assert (during > 0) == released, f"the other thread counted {during} during the copy"
 
 
 @pytest.mark.parametrize(
@@ -78,7 +113,7 @@ def test_memcpy_pieces_refuses_bad_input_and_copies_nothing(ids, rows, table, er
     tensors, good, _ = cache_and_table()
     host = torch.zeros((4, SLOT), dtype=torch.uint8)
     with pytest.raises(error):
-        memcpy_pieces(True, host.data_ptr(), SLOT, ids, rows, good if table is None else table)
+        memcpy_pieces(True, host.data_ptr(), SLOT, ids, rows, good if table is None else table, 1)
     assert not host.any()
 
 

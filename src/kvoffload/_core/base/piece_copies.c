@@ -6,7 +6,7 @@
  * cost about a microsecond each (address arithmetic, a ctypes call per piece or a list per
  * descriptor). Here one call walks them all:
  *
- *   memcpy_pieces   CPU caches: one memcpy per (block, piece).
+ *   memcpy_pieces   CPU caches: one memcpy per (block, piece); the GIL released for large copies.
  *   enqueue_pieces  GPU caches: one DMA descriptor per (block, piece), given to the driver's
  *                   batched copy in one call (or cuMemcpyAsync per piece).
  *   enqueue_runs    GPU caches: one DMA descriptor per run of consecutive host rows, between
@@ -16,8 +16,9 @@
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
  * this file needs no CUDA header or library to build, and builds and imports the same on a
- * machine without CUDA. Every call keeps the GIL: each returns in microseconds, and giving the
- * GIL up would cost a whole switch interval to get it back behind a thread busy in Python.
+ * machine without CUDA. The calls that enqueue keep the GIL: each returns in microseconds, and
+ * giving the GIL up would cost a whole switch interval to get it back behind a thread busy in
+ * Python; a CPU copy releases it when long enough to be worth that.
  * Addresses are trusted (the callers own the tensors and buffers); counts and integers are
  * checked.
  */
@@ -230,19 +231,21 @@ static PyObject *issue(const CopyFns *fns, void *stream, Descriptors *d)
 /* -- memcpy_pieces -------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(memcpy_pieces_doc,
-"memcpy_pieces(to_host, host_base, slot_bytes, block_ids, rows, pieces, /) -> None\n\n"
+"memcpy_pieces(to_host, host_base, slot_bytes, block_ids, rows, pieces, release_gil_bytes, /) -> None\n\n"
 "CPU caches: copy every piece of cache block ``block_ids[i]`` to host row ``rows[i]``\n"
-"(``to_host``) or back, one memcpy per (block, piece). Keeps the GIL.");
+"(``to_host``) or back, one memcpy per (block, piece). The GIL is released for the whole\n"
+"copy when it moves at least ``release_gil_bytes`` bytes (0: never), kept otherwise.");
 
 static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_nargs(nargs, 6, "memcpy_pieces") < 0) {
+    if (check_nargs(nargs, 7, "memcpy_pieces") < 0) {
         return NULL;
     }
     int to_host = PyObject_IsTrue(args[0]);
-    uint64_t host_base, slot_bytes;
-    if (to_host < 0 || as_u64(args[1], &host_base, "host_base") < 0 || as_u64(args[2], &slot_bytes, "slot_bytes") < 0) {
+    uint64_t host_base, slot_bytes, release_gil_bytes;
+    if (to_host < 0 || as_u64(args[1], &host_base, "host_base") < 0 || as_u64(args[2], &slot_bytes, "slot_bytes") < 0
+        || as_u64(args[6], &release_gil_bytes, "release_gil_bytes") < 0) {
         return NULL;
     }
     Ints ids, rows;
@@ -258,6 +261,15 @@ static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
         ints_free(&ids), ints_free(&rows);
         return NULL;
     }
+    uint64_t block_bytes = 0;
+    for (Py_ssize_t j = 0; j < pieces.n; j++) {
+        block_bytes += pieces.p[4 * j + 3];
+    }
+    /* Released, the copy lets the caller's event loop and other threads run meanwhile; taking the
+     * GIL back may then wait a switch interval behind a thread busy in Python, which only a copy
+     * much longer than that interval is worth. */
+    int release = release_gil_bytes > 0 && block_bytes * (uint64_t)ids.n >= release_gil_bytes;
+    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < ids.n; i++) {
         char *row = (char *)(uintptr_t)(host_base + rows.v[i] * slot_bytes);
         for (Py_ssize_t j = 0; j < pieces.n; j++) {
@@ -269,6 +281,9 @@ static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
                 memcpy(cache, row + p[2], (size_t)p[3]);
             }
         }
+    }
+    if (release) {
+        PyEval_RestoreThread(saved);
     }
     PyBuffer_Release(&pieces.view);
     ints_free(&ids), ints_free(&rows);

@@ -6,7 +6,10 @@ from typing import Any
 CopyFunctions = tuple[int, int, int]
 """(``cuMemcpyBatchAsync`` address or 0, ``cuMemcpyAsync`` address, ``CUmemcpyAttributes`` address)."""
 
-def memcpy_pieces(to_host: bool, host_base: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int], pieces: Any, /) -> None: ...
+def memcpy_pieces(
+    to_host: bool, host_base: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int], pieces: Any,
+    release_gil_bytes: int, /,
+) -> None: ...
 def enqueue_pieces(
     copy_fns: CopyFunctions, stream: int, to_host: bool, host_base: int, slot_bytes: int, block_ids: Sequence[int],
     rows: Sequence[int], pieces: Any, first: int, stop: int, /,

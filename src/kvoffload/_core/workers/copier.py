@@ -68,9 +68,14 @@ class CpuBlockCopier:
     """Synchronous copies between CPU-tensor caches and host rows.
 
     One call of :func:`~..base.piece_copies.memcpy_pieces` per chunk walks its (block, piece)
-    pairs in C, one ``memcpy`` each, keeping the GIL: with another thread of the process busy in
-    Python, a copy that released it could wait the whole 5 ms switch interval to take it back.
+    pairs in C, one ``memcpy`` each. A chunk of at least :attr:`RELEASE_GIL_BYTES` is copied with
+    the GIL released, so that the caller's event loop and other threads run meanwhile; smaller
+    ones keep it: with another thread of the process busy in Python, taking the GIL back can wait
+    a whole switch interval (5 ms), which only a copy much longer than that is worth.
     """
+
+    RELEASE_GIL_BYTES = 8 << 20
+    """Copies of this many bytes or more release the GIL (about 1-3 ms of ``memcpy``)."""
 
     def __init__(self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], chunk_bytes: int) -> None:
         self._rows = layout.block_rows(kv_caches)  # keeps the views (and the addresses below) alive
@@ -94,10 +99,10 @@ class CpuBlockCopier:
         semaphore.ring()  # CPU copies are complete when they return
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:
-        memcpy_pieces(True, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces)
+        memcpy_pieces(True, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces, self.RELEASE_GIL_BYTES)
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> None:
-        memcpy_pieces(False, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces)
+        memcpy_pieces(False, host.data_ptr(), host.stride(0), block_ids, rows, self._pieces, self.RELEASE_GIL_BYTES)
 
     def close(self) -> None:
         self._rows = []
