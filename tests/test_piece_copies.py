@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload._core.base.piece_copies import enqueue_pieces, enqueue_runs, launch_pieces, memcpy_pieces
+from kvoffload._core.base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_runs, memcpy_pieces
 
 SLOT = 4096
 
@@ -180,7 +180,7 @@ def test_enqueue_pieces_hands_the_driver_one_copy_per_block_and_piece(batched, t
     driver = StandInCopies(batched)
     ids = random.Random(blocks).sample(range(64), blocks)
     rows = list(range(100, 100 + blocks))
-    assert enqueue_pieces(driver.functions, 77, to_host, 1 << 40, SLOT, ids, rows, table, 0, 3) == (0, 0)
+    assert enqueue_pieces(driver.functions, 77, to_host, 1 << 40, SLOT, ids, rows, table, 0, 3) is None
     assert driver.copies == expected_pieces(table, 1 << 40, ids, rows, to_host, range(3))
     assert driver.calls == ([77] if batched else [77] * (3 * blocks))
 
@@ -196,7 +196,7 @@ def test_enqueue_pieces_of_a_span_of_tensors() -> None:
 def test_enqueue_reports_the_driver_error_and_the_copy_it_failed_on(batched) -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInCopies(batched, fail_at=4)
-    assert enqueue_pieces(driver.functions, 1, True, 0, SLOT, [0, 1, 2], [0, 1, 2], table, 0, 3) == (1, 4)
+    assert enqueue_pieces(driver.functions, 1, True, 0, SLOT, [0, 1, 2], [0, 1, 2], table, 0, 3) == (1, "copy", 4)
     if not batched:
         assert len(driver.copies) == 4, "copies after the failed one were enqueued"
 
@@ -206,7 +206,7 @@ def test_enqueue_reports_the_driver_error_and_the_copy_it_failed_on(batched) -> 
 def test_enqueue_runs_hands_the_driver_one_copy_per_run_of_rows(batched, to_host) -> None:
     driver = StandInCopies(batched)
     rows = [5, 6, 7, 9, 3, 4, 100] + list(range(200, 300))
-    assert enqueue_runs(driver.functions, 3, to_host, 1 << 30, 1 << 20, SLOT, rows) == (0, 0)
+    assert enqueue_runs(driver.functions, 3, to_host, 1 << 30, 1 << 20, SLOT, rows) is None
     runs = [(0, 5, 3), (3, 9, 1), (4, 3, 2), (6, 100, 1), (7, 200, 100)]  # (staging row, host row, rows)
     want = []
     for stage, host, n in runs:
@@ -231,52 +231,168 @@ def test_enqueue_refuses_bad_input_without_calling_the_driver() -> None:
     assert driver.calls == []
 
 
-class StandInLaunch:
-    """Records each launch's grid, block size, stream and the ``Blocks`` parameter it saw."""
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+K, C, BETWEEN, FREE, DONE = 11, 22, 33, 44, 55  # the kernel and copy streams, and events
+STAGING = (1 << 36, 1 << 37)
 
-    def __init__(self, max_blocks: int, fail_on: int | None = None) -> None:
+
+class StandInDriver(StandInCopies):
+    """Records, in order, every call a :class:`ChunkCopies` makes: stream waits, event records, copies
+    and kernel launches (with the kernel parameters as they were at the launch); ``fail``: the call
+    (name, occurrence) that returns error 9."""
+
+    def __init__(self, batched: bool = True, max_blocks: int = 4, fail: tuple[str, int] | None = None) -> None:
+        super().__init__(batched)
+        self.log: list[tuple] = []
+        self.fail = fail
+        self._seen: dict[str, int] = {}
+
         class Blocks(ctypes.Structure):
             _fields_ = [("n", ctypes.c_int), ("first", ctypes.c_int), ("ids", ctypes.c_int * max_blocks)]
 
         self.blocks = Blocks()
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.blocks))
-        self.launches: list[tuple[int, int, int, int, list[int]]] = []
-        self.fail_on = fail_on
-        self._fn = LAUNCH(self._on_launch)
-        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
+        self.staging, self.gather = ctypes.c_uint64(0), ctypes.c_int(-1)
+        self.cancel, self.generation = ctypes.c_uint64(0), ctypes.c_int(0)
+        self._record, self._wait, self._launch = RECORD(self._on_record), WAIT(self._on_wait), LAUNCH(self._on_launch)
+        self.max_blocks = max_blocks
+
+    def _result(self, call: str) -> int:
+        self._seen[call] = self._seen.get(call, 0) + 1
+        return 9 if self.fail == (call, self._seen[call] - 1) else 0
+
+    def _on_record(self, event, stream) -> int:
+        self.log.append(("record", event, stream))
+        return self._result("record")
+
+    def _on_wait(self, stream, event, flags) -> int:
+        assert flags == 0
+        self.log.append(("wait", stream, event))
+        return self._result("wait")
+
+    def _on_batch(self, dsts, srcs, sizes, n, attrs, attrs_idx, num_attrs, fail_idx, stream) -> int:
+        self.log.append(("copies", stream, [(dsts[i], srcs[i], sizes[i]) for i in range(n)]))
+        err = self._result("copies")
+        fail_idx[0] = 1 if err else 0
+        return err
 
     def _on_launch(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
-        assert (f, gy, gz, by, bz, shared, extra) == (1234, 1, 1, 1, 1, 0, None)
-        assert params == ctypes.addressof(self.params)
+        assert (f, gy, gz, by, bz, shared, extra, params) == (1234, 1, 1, 1, 1, 0, None, ctypes.addressof(self.params))
         b = self.blocks
-        self.launches.append((gx, bx, stream, b.first, list(b.ids[: b.n])))
-        return 7 if self.fail_on == len(self.launches) - 1 else 0
+        self.log.append(("launch", stream, gx, bx, b.first, list(b.ids[: b.n]), self.staging.value, self.gather.value,
+                         self.cancel.value, self.generation.value))
+        return self._result("launch")
 
-    def launch(self, ids, tensors: int = 3, max_ctas: int = 0) -> int:
-        return launch_pieces(self.address, 1234, 55, ctypes.addressof(self.params), ctypes.addressof(self.blocks),
-                             len(self.blocks.ids), tensors, 256, max_ctas, ids)
+    def chunk_copies(self, table: np.ndarray, kernel: bool = True, max_ctas: int = 0) -> ChunkCopies:
+        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        a = ctypes.addressof
+        params = (address(self._launch), 1234, a(self.params), a(self.blocks), self.max_blocks, len(table), 256, max_ctas,
+                  a(self.staging), a(self.gather), a(self.cancel), a(self.generation))
+        return ChunkCopies(self.functions, address(self._record), address(self._wait), K, C, BETWEEN, SLOT, table, STAGING,
+                           params if kernel else None)
 
 
-def test_launch_pieces_splits_ids_into_launches_of_max_blocks() -> None:
-    rig = StandInLaunch(max_blocks=4)
-    assert rig.launch(list(range(10, 20))) == 0
-    assert rig.launches == [
-        (12, 256, 55, 0, [10, 11, 12, 13]),  # a CTA per piece: 4 blocks x 3 tensors
-        (12, 256, 55, 4, [14, 15, 16, 17]),
-        (6, 256, 55, 8, [18, 19]),
+def runs_of(rows: list[int], host: int, staging: int, to_host: bool) -> list[tuple[int, int, int]]:
+    out, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            h, st, n = host + rows[start] * SLOT, staging + start * SLOT, (i - start) * SLOT
+            out.append((h, st, n) if to_host else (st, h, n))
+            start = i
+    return out
+
+
+def test_chunk_copies_store_staged_waits_gathers_then_copies_runs_to_host() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    chunks = driver.chunk_copies(table)
+    rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
+    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3) is None
+    assert driver.log == [
+        ("wait", K, FREE),  # the staging buffer's last use
+        ("launch", K, 12, 256, 0, ids, STAGING[1], 1, 777, 3),  # a CTA per piece, gathering, the cancel flag
+        ("record", BETWEEN, K),
+        ("wait", C, BETWEEN),
+        ("copies", C, runs_of(rows, 1 << 30, STAGING[1], True)),
+        ("record", DONE, C),
     ]
 
 
-def test_launch_pieces_caps_ctas_and_stops_at_the_first_error() -> None:
-    rig = StandInLaunch(max_blocks=2, fail_on=1)
-    assert rig.launch([1, 2, 3, 4, 5, 6], max_ctas=5) == 7
-    assert [(grid, first) for grid, _, _, first, _ in rig.launches] == [(5, 0), (5, 2)], "launched past the failed one"
+def test_chunk_copies_load_staged_copies_runs_then_scatters() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    chunks = driver.chunk_copies(table, max_ctas=5)
+    rows, ids = [3, 4, 0, 1, 2, 9], [10, 11, 4, 5, 6, 0]
+    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0) is None  # no last use to wait for
+    assert driver.log == [
+        ("copies", C, runs_of(rows, 4096, STAGING[0], False)),
+        ("record", BETWEEN, C),
+        ("wait", K, BETWEEN),
+        ("launch", K, 5, 256, 0, ids[:4], STAGING[0], 0, 0, 0),  # max_blocks 4 ids per launch, CTAs capped at 5
+        ("launch", K, 5, 256, 4, ids[4:], STAGING[0], 0, 0, 0),
+        ("record", DONE, K),
+    ]
 
 
-def test_launch_pieces_refuses_ids_the_kernel_cannot_hold() -> None:
-    rig = StandInLaunch(max_blocks=4)
-    with pytest.raises(OverflowError):
-        rig.launch([1, 2**31])
-    with pytest.raises(ValueError):
-        launch_pieces(0, 1234, 55, 0, 0, 4, 3, 256, 0, [1])
-    assert rig.launches == []
+@pytest.mark.parametrize("to_host", [True, False])
+def test_chunk_copies_direct_copies_every_piece_on_the_copy_stream(to_host) -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    chunks = driver.chunk_copies(table, kernel=False)
+    ids, rows = [4, 2], [0, 9]
+    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0) is None
+    copies = ("copies", C, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3)))
+    if to_host:
+        assert driver.log == [copies, ("record", DONE, C)]
+    else:  # a load ends on the kernel stream, as staged ones do
+        assert driver.log == [copies, ("record", BETWEEN, C), ("wait", K, BETWEEN), ("record", DONE, K)]
+
+
+def test_chunk_copies_wait_makes_both_streams_wait() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    assert driver.chunk_copies(table).wait(FREE) is None
+    assert driver.log == [("wait", K, FREE), ("wait", C, FREE)]
+
+
+@pytest.mark.parametrize(
+    "fail, reported, calls",
+    [
+        (("wait", 0), (9, "cuStreamWaitEvent", 0), 1),
+        (("launch", 1), (9, "cuLaunchKernel(move_pieces)", 0), 3),
+        (("record", 0), (9, "cuEventRecord", 0), 4),
+        (("copies", 0), (9, "copy", 1), 6),
+        (("record", 1), (9, "cuEventRecord", 0), 7),
+    ],
+)
+def test_chunk_copies_stop_at_the_first_failed_call_and_report_it(fail, reported, calls) -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver(fail=fail)
+    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0) == reported
+    assert len(driver.log) == calls, driver.log
+
+
+def test_chunk_copies_refuse_bad_input_without_calling_the_driver() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    with_kernel, without = driver.chunk_copies(table), driver.chunk_copies(table, kernel=False)
+    with pytest.raises(ValueError, match="staging"):
+        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0)  # staged, but no kernel
+    with pytest.raises(ValueError, match="staging"):
+        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0)  # no staging buffer 2
+    with pytest.raises(ValueError, match="done"):
+        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="host rows"):
+        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0)
+    with pytest.raises(OverflowError, match="kernel's int"):
+        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0)
+    with pytest.raises(TypeError):
+        with_kernel.copy(True, False, 0, [0], [0], 0, 0, DONE, 0)  # an argument short
+    assert driver.log == []
+    with pytest.raises(ValueError, match="kernel"):
+        ChunkCopies(driver.functions, 1, 1, K, C, BETWEEN, SLOT, table, STAGING, (1, 2, 3, 4, 0, 6, 7, 8, 9, 10, 11, 12))
+    with pytest.raises(ValueError, match="is 0"):
+        ChunkCopies(driver.functions, 1, 1, K, C, 0, SLOT, table, STAGING, None)
+    with pytest.raises(ValueError, match="4 uint64"):
+        ChunkCopies(driver.functions, 1, 1, K, C, BETWEEN, SLOT, b"\0" * 8, STAGING, None)

@@ -4,15 +4,18 @@
  * `base + block * stride` in the cache, at `row * slot_bytes + offset` in host memory. A
  * transfer of a few blocks of a 32-layer cache has dozens of pieces; walking them in Python
  * cost about a microsecond each (address arithmetic, a ctypes call per piece or a list per
- * descriptor). Here one call walks them all:
+ * descriptor), and a chunk's ten or so driver calls about as much each through ctypes. Here one
+ * call walks them all:
  *
  *   memcpy_pieces   CPU caches: one memcpy per (block, piece); the GIL released for large copies.
- *   enqueue_pieces  GPU caches: one DMA descriptor per (block, piece), given to the driver's
- *                   batched copy in one call (or cuMemcpyAsync per piece).
- *   enqueue_runs    GPU caches: one DMA descriptor per run of consecutive host rows, between
- *                   host slots and a staging buffer laid out like them.
- *   launch_pieces   GPU caches: a copy kernel's block ids written into its parameters, one
- *                   launch per MAX ids.
+ *   ChunkCopies     GPU caches: one chunk's driver calls in one call: the stream waits, the copy
+ *                   kernel's launch (its block ids written into its parameters), the DMA
+ *                   descriptors (one per run of host rows, or per (block, piece) when direct)
+ *                   given to the batched copy at once, and the events.
+ *   enqueue_pieces  GPU caches: one DMA per (block, piece) of one span of tensors (per-tensor
+ *                   loads without the copy kernel).
+ *   enqueue_runs    GPU caches: one DMA per run of host rows, to or from a staging buffer (chunks
+ *                   gathered or scattered by torch, without the copy kernel).
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
  * this file needs no CUDA header or library to build, and builds and imports the same on a
@@ -208,26 +211,6 @@ static void descriptors_free(Descriptors *d)
     }
 }
 
-/* Enqueue the descriptors on `stream`: (error code, index of the copy that failed). */
-static PyObject *issue(const CopyFns *fns, void *stream, Descriptors *d)
-{
-    int err = 0;
-    size_t failed = 0;
-    if (d->n > 0 && fns->batch != NULL) {
-        size_t attrs_idx = 0;
-        err = fns->batch(d->dst, d->src, d->size, d->n, fns->attrs, &attrs_idx, 1, &failed, stream);
-    } else {
-        for (size_t i = 0; i < d->n; i++) {
-            err = fns->one(d->dst[i], d->src[i], d->size[i], stream);
-            if (err != 0) {
-                failed = i;
-                break;
-            }
-        }
-    }
-    return Py_BuildValue("(in)", err, (Py_ssize_t)(err != 0 ? failed : 0));
-}
-
 /* -- memcpy_pieces -------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(memcpy_pieces_doc,
@@ -290,14 +273,364 @@ static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* -- ChunkCopies --------------------------------------------------------------------------- */
+
+typedef int (*event_record_fn)(void *event, void *stream);
+typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);
+
+/* The calls a chunk needs, by name, for errors: what failed is (error code, call, copy index). */
+enum { CALL_WAIT, CALL_RECORD, CALL_COPY, CALL_LAUNCH };
+static const char *const call_names[] = {"cuStreamWaitEvent", "cuEventRecord", "copy", "cuLaunchKernel(move_pieces)"};
+
+typedef struct {
+    PyObject_HEAD
+    CopyFns copies;
+    event_record_fn record;
+    stream_wait_fn wait;
+    void *kernel_stream, *copy_stream;
+    void *between; /* an event recorded and waited for at once, under the caller's lock */
+    uint64_t slot_bytes;
+    uint64_t staging[2];
+    PyObject *pieces_owner;
+    Pieces pieces;
+    /* the copy kernel (launch == 0: none) and its parameters, written in place */
+    launch_kernel_fn launch;
+    void *function, **params;
+    int32_t *blocks; /* n, first, ids[max_blocks] */
+    uint64_t max_blocks, tensors, threads, max_ctas;
+    uint64_t *staging_param, *cancel_param;
+    int32_t *gather_param, *generation_param;
+} ChunkCopies;
+
+static int chunk_copies_init(ChunkCopies *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"copy_fns", "record", "wait", "kernel_stream", "copy_stream", "between", "slot_bytes",
+                            "pieces", "staging", "kernel", NULL};
+    PyObject *fns, *pieces, *staging, *kernel;
+    unsigned long long record, wait, kernel_stream, copy_stream, between, slot_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKKKKKKOOO:ChunkCopies", names, &fns, &record, &wait, &kernel_stream,
+                                     &copy_stream, &between, &slot_bytes, &pieces, &staging, &kernel)) {
+        return -1;
+    }
+    if (self->pieces_owner != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies is initialised once");
+        return -1;
+    }
+    if (copy_fns_from(fns, &self->copies) < 0) {
+        return -1;
+    }
+    if (record == 0 || wait == 0 || kernel_stream == 0 || copy_stream == 0 || between == 0 || slot_bytes == 0) {
+        PyErr_SetString(PyExc_ValueError, "ChunkCopies: a function, stream, event or slot size is 0");
+        return -1;
+    }
+    self->record = (event_record_fn)(uintptr_t)record;
+    self->wait = (stream_wait_fn)(uintptr_t)wait;
+    self->kernel_stream = (void *)(uintptr_t)kernel_stream;
+    self->copy_stream = (void *)(uintptr_t)copy_stream;
+    self->between = (void *)(uintptr_t)between;
+    self->slot_bytes = slot_bytes;
+    if (!PyTuple_Check(staging) || PyTuple_GET_SIZE(staging) != 2 || as_u64(PyTuple_GET_ITEM(staging, 0), &self->staging[0], "staging") < 0
+        || as_u64(PyTuple_GET_ITEM(staging, 1), &self->staging[1], "staging") < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "staging: a tuple of two addresses (0: no staging)");
+        }
+        return -1;
+    }
+    if (kernel != Py_None) {
+        uint64_t k[12];
+        if (!PyTuple_Check(kernel) || PyTuple_GET_SIZE(kernel) != 12) {
+            PyErr_SetString(PyExc_TypeError, "kernel: None or a tuple (launch, function, params, blocks, max_blocks, tensors, "
+                                             "threads, max_ctas, staging, gather, cancel, generation)");
+            return -1;
+        }
+        for (int i = 0; i < 12; i++) {
+            if (as_u64(PyTuple_GET_ITEM(kernel, i), &k[i], "a kernel parameter") < 0) {
+                return -1;
+            }
+        }
+        if (k[0] == 0 || k[2] == 0 || k[3] == 0 || k[4] == 0 || k[4] > INT32_MAX || k[5] == 0 || k[6] == 0 || k[8] == 0
+            || k[9] == 0 || k[10] == 0 || k[11] == 0) {
+            PyErr_SetString(PyExc_ValueError, "kernel: a function, parameter address or count is 0");
+            return -1;
+        }
+        self->launch = (launch_kernel_fn)(uintptr_t)k[0];
+        self->function = (void *)(uintptr_t)k[1];
+        self->params = (void **)(uintptr_t)k[2];
+        self->blocks = (int32_t *)(uintptr_t)k[3];
+        self->max_blocks = k[4], self->tensors = k[5], self->threads = k[6], self->max_ctas = k[7];
+        self->staging_param = (uint64_t *)(uintptr_t)k[8];
+        self->gather_param = (int32_t *)(uintptr_t)k[9];
+        self->cancel_param = (uint64_t *)(uintptr_t)k[10];
+        self->generation_param = (int32_t *)(uintptr_t)k[11];
+    }
+    if (pieces_from(pieces, &self->pieces) < 0) {
+        return -1;
+    }
+    Py_INCREF(pieces);
+    self->pieces_owner = pieces;
+    return 0;
+}
+
+static void chunk_copies_dealloc(ChunkCopies *self)
+{
+    if (self->pieces_owner != NULL) {
+        PyBuffer_Release(&self->pieces.view);
+        Py_CLEAR(self->pieces_owner);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* What failed: None (nothing), else (error code, call name, copy index). */
+typedef struct {
+    int err, call;
+    size_t index;
+} Outcome;
+
+static PyObject *outcome_object(const Outcome *o)
+{
+    if (o->err == 0) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(isn)", o->err, call_names[o->call], (Py_ssize_t)o->index);
+}
+
+static int failed(Outcome *o, int err, int call)
+{
+    o->err = err, o->call = call, o->index = 0;
+    return err != 0;
+}
+
+static int issue_into(const CopyFns *fns, void *stream, Descriptors *d, Outcome *o)
+{
+    size_t index = 0;
+    int err = 0;
+    if (d->n > 0 && fns->batch != NULL) {
+        size_t attrs_idx = 0;
+        err = fns->batch(d->dst, d->src, d->size, d->n, fns->attrs, &attrs_idx, 1, &index, stream);
+    } else {
+        for (size_t i = 0; i < d->n && err == 0; i++) {
+            err = fns->one(d->dst[i], d->src[i], d->size[i], stream);
+            index = i;
+        }
+    }
+    o->err = err, o->call = CALL_COPY, o->index = err != 0 ? index : 0;
+    return err != 0;
+}
+
+/* One descriptor per run of consecutive host rows, between them and staging rows 0..n-1. */
+static int runs_into(Descriptors *d, const Ints *rows, int to_host, uint64_t host_base, uint64_t staging_base, uint64_t slot)
+{
+    if (descriptors_init(d, (size_t)rows->n) < 0) {
+        return -1;
+    }
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 1; i <= rows->n; i++) {
+        if (i == rows->n || rows->v[i] != rows->v[i - 1] + 1) {
+            uint64_t host = host_base + rows->v[start] * slot, stage = staging_base + (uint64_t)start * slot;
+            d->dst[d->n] = to_host ? host : stage;
+            d->src[d->n] = to_host ? stage : host;
+            d->size[d->n++] = (size_t)((uint64_t)(i - start) * slot);
+            start = i;
+        }
+    }
+    return 0;
+}
+
+/* One descriptor per (block, piece) between cache blocks and host rows, for pieces [first, stop). */
+static int pieces_into(Descriptors *d, const Pieces *pieces, Py_ssize_t first, Py_ssize_t stop, const Ints *ids, const Ints *rows,
+                       int to_host, uint64_t host_base, uint64_t slot)
+{
+    if (descriptors_init(d, (size_t)ids->n * (size_t)(stop - first)) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < ids->n; i++) {
+        uint64_t row = host_base + rows->v[i] * slot;
+        for (Py_ssize_t j = first; j < stop; j++) {
+            const uint64_t *p = pieces->p + 4 * j;
+            uint64_t cache = p[0] + ids->v[i] * p[1], host = row + p[2];
+            d->dst[d->n] = to_host ? host : cache;
+            d->src[d->n] = to_host ? cache : host;
+            d->size[d->n++] = (size_t)p[3];
+        }
+    }
+    return 0;
+}
+
+static int launch_into(ChunkCopies *self, const Ints *ids, Outcome *o)
+{
+    for (Py_ssize_t first = 0; first < ids->n; first += (Py_ssize_t)self->max_blocks) {
+        Py_ssize_t n = ids->n - first < (Py_ssize_t)self->max_blocks ? ids->n - first : (Py_ssize_t)self->max_blocks;
+        self->blocks[0] = (int32_t)n;
+        self->blocks[1] = (int32_t)first;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            self->blocks[2 + j] = (int32_t)ids->v[first + j];
+        }
+        uint64_t grid = (uint64_t)n * self->tensors;
+        if (self->max_ctas > 0 && self->max_ctas < grid) {
+            grid = self->max_ctas;
+        }
+        int err = self->launch(self->function, (unsigned)grid, 1, 1, (unsigned)self->threads, 1, 1, 0, self->kernel_stream, self->params, NULL);
+        if (failed(o, err, CALL_LAUNCH)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(chunk_copies_copy_doc,
+"copy(to_host, direct, host_base, rows, block_ids, staging, free_event, done_event, cancel_address, generation, /)\n"
+"    -> None | (error, call, copy_index)\n\n"
+"Enqueue one chunk's copies between cache blocks ``block_ids`` and host rows ``rows``, and record\n"
+"``done_event`` once they are complete: on the copy stream for a store, the kernel stream for a load.\n"
+"``direct``: one DMA per (block, piece); else through staging buffer ``staging`` (0 or 1; its last\n"
+"use ``free_event`` waited for first, 0: none), gathered or scattered by the copy kernel (reading\n"
+"the cancel flag at ``cancel_address``, 0: none) and moved with one DMA per run of host rows.\n"
+"Returns None, or what failed: the driver's error code, the call and the index of the copy.");
+
+static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 10, "copy") < 0) {
+        return NULL;
+    }
+    if (self->pieces_owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+        return NULL;
+    }
+    int to_host, direct;
+    uint64_t host_base, staging, free_event, done_event, cancel_address, generation;
+    if ((to_host = PyObject_IsTrue(args[0])) < 0 || (direct = PyObject_IsTrue(args[1])) < 0
+        || as_u64(args[2], &host_base, "host_base") < 0 || as_u64(args[5], &staging, "staging") < 0
+        || as_u64(args[6], &free_event, "free_event") < 0 || as_u64(args[7], &done_event, "done_event") < 0
+        || as_u64(args[8], &cancel_address, "cancel_address") < 0 || as_u64(args[9], &generation, "generation") < 0) {
+        return NULL;
+    }
+    if (done_event == 0) {
+        PyErr_SetString(PyExc_ValueError, "copy: no done event");
+        return NULL;
+    }
+    if (!direct && (self->launch == NULL || staging > 1 || self->staging[staging] == 0)) {
+        PyErr_SetString(PyExc_ValueError, "copy: no staging buffer or copy kernel for a staged chunk");
+        return NULL;
+    }
+    Ints ids, rows;
+    if (ints_from(args[4], &ids, "a block id") < 0) {
+        return NULL;
+    }
+    if (ints_from(args[3], &rows, "a host row") < 0) {
+        ints_free(&ids);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (same_length(&ids, &rows) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; !direct && i < ids.n; i++) {
+        if (ids.v[i] > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "block id %llu does not fit the kernel's int", (unsigned long long)ids.v[i]);
+            goto done;
+        }
+    }
+    Descriptors d;
+    int built = direct ? pieces_into(&d, &self->pieces, 0, self->pieces.n, &ids, &rows, to_host, host_base, self->slot_bytes)
+                       : runs_into(&d, &rows, to_host, host_base, self->staging[staging], self->slot_bytes);
+    if (built < 0) {
+        goto done;
+    }
+    Outcome o = {0, 0, 0};
+    void *k = self->kernel_stream, *c = self->copy_stream, *between = self->between, *done = (void *)(uintptr_t)done_event;
+    if (direct) {
+        /* cache <-> host slots on the copy stream; a load's end is recorded on the kernel stream */
+        if (!issue_into(&self->copies, c, &d, &o)) {
+            if (to_host) {
+                failed(&o, self->record(done, c), CALL_RECORD);
+            } else if (!failed(&o, self->record(between, c), CALL_RECORD) && !failed(&o, self->wait(k, between, 0), CALL_WAIT)) {
+                failed(&o, self->record(done, k), CALL_RECORD);
+            }
+        }
+    } else {
+        *self->staging_param = self->staging[staging];
+        *self->gather_param = to_host;
+        *self->cancel_param = cancel_address;
+        *self->generation_param = (int32_t)generation;
+        void *first = to_host ? k : c, *second = to_host ? c : k;
+        if (free_event != 0 && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT)) {
+            /* stop */
+        } else if (to_host) { /* gather on the kernel stream, then DMA to host on the copy stream */
+            if (!launch_into(self, &ids, &o) && !failed(&o, self->record(between, first), CALL_RECORD)
+                && !failed(&o, self->wait(second, between, 0), CALL_WAIT) && !issue_into(&self->copies, second, &d, &o)) {
+                failed(&o, self->record(done, second), CALL_RECORD);
+            }
+        } else { /* DMA into staging on the copy stream, then scatter on the kernel stream */
+            if (!issue_into(&self->copies, first, &d, &o) && !failed(&o, self->record(between, first), CALL_RECORD)
+                && !failed(&o, self->wait(second, between, 0), CALL_WAIT) && !launch_into(self, &ids, &o)) {
+                failed(&o, self->record(done, second), CALL_RECORD);
+            }
+        }
+    }
+    descriptors_free(&d);
+    out = outcome_object(&o);
+done:
+    ints_free(&ids), ints_free(&rows);
+    return out;
+}
+
+PyDoc_STRVAR(chunk_copies_wait_doc,
+"wait(event, /) -> None | (error, call, 0)\n\n"
+"Make both streams wait for ``event`` (a raw CUevent): every later chunk runs after it.");
+
+static PyObject *chunk_copies_wait(ChunkCopies *self, PyObject *event_arg)
+{
+    uint64_t event;
+    if (as_u64(event_arg, &event, "event") < 0) {
+        return NULL;
+    }
+    if (self->pieces_owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+        return NULL;
+    }
+    Outcome o = {0, 0, 0};
+    if (!failed(&o, self->wait(self->kernel_stream, (void *)(uintptr_t)event, 0), CALL_WAIT)) {
+        failed(&o, self->wait(self->copy_stream, (void *)(uintptr_t)event, 0), CALL_WAIT);
+    }
+    return outcome_object(&o);
+}
+
+static PyMethodDef chunk_copies_methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))chunk_copies_copy, METH_FASTCALL, chunk_copies_copy_doc},
+    {"wait", (PyCFunction)chunk_copies_wait, METH_O, chunk_copies_wait_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(chunk_copies_doc,
+"ChunkCopies(copy_fns, record, wait, kernel_stream, copy_stream, between, slot_bytes, pieces, staging, kernel)\n\n"
+"One GPU copier's chunks, each enqueued by one call: the stream waits, the copy kernel's launch,\n"
+"the DMA descriptors and the events, in C. ``record`` / ``wait``: the addresses of cuEventRecord\n"
+"and cuStreamWaitEvent; ``between``: an event of its own, recorded and waited for within a call;\n"
+"``staging``: the two staging buffers' addresses (0: none); ``kernel``: None, or (cuLaunchKernel,\n"
+"the function, its parameter array, its Blocks parameter, MAX_BLOCKS, tensors, threads per CTA,\n"
+"max CTAs, then the addresses of its staging, gather, cancel and generation parameters).\n"
+"Calls are made one at a time (the caller's lock): the kernel's parameters are written in place.");
+
+static PyTypeObject ChunkCopiesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload._core.base.piece_copies.ChunkCopies",
+    .tp_basicsize = sizeof(ChunkCopies),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = chunk_copies_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)chunk_copies_init,
+    .tp_dealloc = (destructor)chunk_copies_dealloc,
+    .tp_methods = chunk_copies_methods,
+};
+
 /* -- enqueue_pieces ------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(enqueue_pieces_doc,
 "enqueue_pieces(copy_fns, stream, to_host, host_base, slot_bytes, block_ids, rows, pieces, first, stop, /)\n"
-"    -> (error, failed_index)\n\n"
-"GPU caches: enqueue on ``stream`` one DMA per (block, piece) for pieces ``[first, stop)``,\n"
-"block by block, between cache blocks ``block_ids`` and host rows ``rows``. Returns the\n"
-"driver's error code (0: none) and the index of the copy it failed on.");
+"    -> None | (error, call, copy_index)\n\n"
+"GPU caches: enqueue on ``stream`` one DMA per (block, piece) for pieces ``[first, stop)`` (one\n"
+"span of tensors), block by block, between cache blocks ``block_ids`` and host rows ``rows``.\n"
+"Returns None, or what failed: the driver's error code, the call and the index of the copy.");
 
 static PyObject *enqueue_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -330,19 +663,11 @@ static PyObject *enqueue_pieces(PyObject *self, PyObject *const *args, Py_ssize_
     Descriptors d;
     if (first > stop || stop > (uint64_t)pieces.n) {
         PyErr_Format(PyExc_ValueError, "pieces [%llu, %llu) of %zd", (unsigned long long)first, (unsigned long long)stop, pieces.n);
-    } else if (descriptors_init(&d, (size_t)ids.n * (size_t)(stop - first)) == 0) {
-        for (Py_ssize_t i = 0; i < ids.n; i++) {
-            uint64_t row = host_base + rows.v[i] * slot_bytes;
-            for (uint64_t j = first; j < stop; j++) {
-                const uint64_t *p = pieces.p + 4 * j;
-                uint64_t cache = p[0] + ids.v[i] * p[1], host = row + p[2];
-                d.dst[d.n] = to_host ? host : cache;
-                d.src[d.n] = to_host ? cache : host;
-                d.size[d.n++] = (size_t)p[3];
-            }
-        }
-        out = issue(&fns, (void *)(uintptr_t)stream, &d);
+    } else if (pieces_into(&d, &pieces, (Py_ssize_t)first, (Py_ssize_t)stop, &ids, &rows, to_host, host_base, slot_bytes) == 0) {
+        Outcome o = {0, 0, 0};
+        issue_into(&fns, (void *)(uintptr_t)stream, &d, &o);
         descriptors_free(&d);
+        out = outcome_object(&o);
     }
     PyBuffer_Release(&pieces.view);
     ints_free(&ids), ints_free(&rows);
@@ -353,9 +678,10 @@ static PyObject *enqueue_pieces(PyObject *self, PyObject *const *args, Py_ssize_
 
 PyDoc_STRVAR(enqueue_runs_doc,
 "enqueue_runs(copy_fns, stream, to_host, host_base, staging_base, slot_bytes, rows, /)\n"
-"    -> (error, failed_index)\n\n"
-"GPU caches: enqueue on ``stream`` the copies between staging rows 0..n-1 and host rows\n"
-"``rows``, one DMA per run of consecutive host rows.");
+"    -> None | (error, call, copy_index)\n\n"
+"GPU caches: enqueue on ``stream`` the copies between staging rows 0..n-1 and host rows ``rows``,\n"
+"one DMA per run of consecutive host rows (staged chunks gathered or scattered by torch, where\n"
+"the copy kernel is missing). Returns as :func:`enqueue_pieces` does.");
 
 static PyObject *enqueue_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -377,82 +703,14 @@ static PyObject *enqueue_runs(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     PyObject *out = NULL;
     Descriptors d;
-    if (descriptors_init(&d, (size_t)rows.n) == 0) {
-        Py_ssize_t start = 0;
-        for (Py_ssize_t i = 1; i <= rows.n; i++) {
-            if (i == rows.n || rows.v[i] != rows.v[i - 1] + 1) {
-                uint64_t host = host_base + rows.v[start] * slot_bytes, staging = staging_base + (uint64_t)start * slot_bytes;
-                d.dst[d.n] = to_host ? host : staging;
-                d.src[d.n] = to_host ? staging : host;
-                d.size[d.n++] = (size_t)((uint64_t)(i - start) * slot_bytes);
-                start = i;
-            }
-        }
-        out = issue(&fns, (void *)(uintptr_t)stream, &d);
+    if (runs_into(&d, &rows, to_host, host_base, staging_base, slot_bytes) == 0) {
+        Outcome o = {0, 0, 0};
+        issue_into(&fns, (void *)(uintptr_t)stream, &d, &o);
         descriptors_free(&d);
+        out = outcome_object(&o);
     }
     ints_free(&rows);
     return out;
-}
-
-/* -- launch_pieces -------------------------------------------------------------------------- */
-
-PyDoc_STRVAR(launch_pieces_doc,
-"launch_pieces(launch_fn, function, stream, params, blocks, max_blocks, tensors, threads, max_ctas, block_ids, /)\n"
-"    -> error\n\n"
-"GPU caches: launch the copy kernel ``function`` for ``block_ids``, up to ``max_blocks`` ids per\n"
-"launch. ``blocks`` is the address of its ``struct { int n; int first; int ids[max_blocks]; }``\n"
-"parameter, which ``params`` (the kernel's parameter array) points to; each launch has one CTA\n"
-"per piece (``tensors`` per block), at most ``max_ctas`` when positive. Returns the first\n"
-"error code (0: none).");
-
-static PyObject *launch_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    if (check_nargs(nargs, 10, "launch_pieces") < 0) {
-        return NULL;
-    }
-    uint64_t launch, function, stream, params, blocks, max_blocks, tensors, threads, max_ctas;
-    if (as_u64(args[0], &launch, "launch_fn") < 0 || as_u64(args[1], &function, "function") < 0
-        || as_u64(args[2], &stream, "stream") < 0 || as_u64(args[3], &params, "params") < 0
-        || as_u64(args[4], &blocks, "blocks") < 0 || as_u64(args[5], &max_blocks, "max_blocks") < 0
-        || as_u64(args[6], &tensors, "tensors") < 0 || as_u64(args[7], &threads, "threads") < 0
-        || as_u64(args[8], &max_ctas, "max_ctas") < 0) {
-        return NULL;
-    }
-    if (launch == 0 || blocks == 0 || max_blocks == 0 || max_blocks > INT32_MAX || tensors == 0 || tensors > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "launch_pieces: no launch function, parameters or pieces");
-        return NULL;
-    }
-    Ints ids;
-    if (ints_from(args[9], &ids, "a block id") < 0) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < ids.n; i++) {
-        if (ids.v[i] > INT32_MAX) {
-            PyErr_Format(PyExc_OverflowError, "block id %llu does not fit the kernel's int", (unsigned long long)ids.v[i]);
-            ints_free(&ids);
-            return NULL;
-        }
-    }
-    int32_t *b = (int32_t *)(uintptr_t)blocks; /* n, first, ids[max_blocks] */
-    int err = 0;
-    for (Py_ssize_t first = 0; first < ids.n && err == 0; first += (Py_ssize_t)max_blocks) {
-        Py_ssize_t n = ids.n - first < (Py_ssize_t)max_blocks ? ids.n - first : (Py_ssize_t)max_blocks;
-        b[0] = (int32_t)n;
-        b[1] = (int32_t)first;
-        for (Py_ssize_t j = 0; j < n; j++) {
-            b[2 + j] = (int32_t)ids.v[first + j];
-        }
-        uint64_t grid = (uint64_t)n * tensors;
-        if (max_ctas > 0 && max_ctas < grid) {
-            grid = max_ctas;
-        }
-        err = ((launch_kernel_fn)(uintptr_t)launch)((void *)(uintptr_t)function, (unsigned)grid, 1, 1, (unsigned)threads, 1, 1, 0,
-                                                    (void *)(uintptr_t)stream, (void **)(uintptr_t)params, NULL);
-    }
-    ints_free(&ids);
-    return PyLong_FromLong(err);
 }
 
 /* -- module --------------------------------------------------------------------------------- */
@@ -461,7 +719,6 @@ static PyMethodDef methods[] = {
     {"memcpy_pieces", (PyCFunction)(void (*)(void))memcpy_pieces, METH_FASTCALL, memcpy_pieces_doc},
     {"enqueue_pieces", (PyCFunction)(void (*)(void))enqueue_pieces, METH_FASTCALL, enqueue_pieces_doc},
     {"enqueue_runs", (PyCFunction)(void (*)(void))enqueue_runs, METH_FASTCALL, enqueue_runs_doc},
-    {"launch_pieces", (PyCFunction)(void (*)(void))launch_pieces, METH_FASTCALL, launch_pieces_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -475,5 +732,18 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit_piece_copies(void)
 {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&ChunkCopiesType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&ChunkCopiesType);
+    if (PyModule_AddObject(m, "ChunkCopies", (PyObject *)&ChunkCopiesType) < 0) {
+        Py_DECREF(&ChunkCopiesType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

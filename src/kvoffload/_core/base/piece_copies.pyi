@@ -6,6 +6,9 @@ from typing import Any
 CopyFunctions = tuple[int, int, int]
 """(``cuMemcpyBatchAsync`` address or 0, ``cuMemcpyAsync`` address, ``CUmemcpyAttributes`` address)."""
 
+Failure = tuple[int, str, int] | None
+"""None, or what failed: the driver's error code, the call, the index of the copy."""
+
 def memcpy_pieces(
     to_host: bool, host_base: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int], pieces: Any,
     release_gil_bytes: int, /,
@@ -13,11 +16,18 @@ def memcpy_pieces(
 def enqueue_pieces(
     copy_fns: CopyFunctions, stream: int, to_host: bool, host_base: int, slot_bytes: int, block_ids: Sequence[int],
     rows: Sequence[int], pieces: Any, first: int, stop: int, /,
-) -> tuple[int, int]: ...
+) -> Failure: ...
 def enqueue_runs(
     copy_fns: CopyFunctions, stream: int, to_host: bool, host_base: int, staging_base: int, slot_bytes: int, rows: Sequence[int], /,
-) -> tuple[int, int]: ...
-def launch_pieces(
-    launch_fn: int, function: int, stream: int, params: int, blocks: int, max_blocks: int, tensors: int, threads: int,
-    max_ctas: int, block_ids: Sequence[int], /,
-) -> int: ...
+) -> Failure: ...
+
+class ChunkCopies:
+    def __init__(
+        self, copy_fns: CopyFunctions, record: int, wait: int, kernel_stream: int, copy_stream: int, between: int,
+        slot_bytes: int, pieces: Any, staging: tuple[int, int], kernel: tuple[int, ...] | None,
+    ) -> None: ...
+    def copy(
+        self, to_host: bool, direct: bool, host_base: int, rows: Sequence[int], block_ids: Sequence[int], staging: int,
+        free_event: int, done_event: int, cancel_address: int, generation: int, /,
+    ) -> Failure: ...
+    def wait(self, event: int, /) -> Failure: ...

@@ -49,7 +49,7 @@ import torch
 
 from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout
-from ..base.piece_copies import enqueue_pieces, enqueue_runs
+from ..base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import CopyEntryPoints, DriverEvent, enqueue_calls, host_device_address
 from .kernels import HostScatter, piece_kernel
@@ -119,7 +119,17 @@ class CudaBlockCopier:
         self._piece_table = layout.piece_table(self._rows)
         bases, strides, offsets, nbytes = self._piece_table.T
         self._tables = torch.tensor(np.stack([bases, nbytes, offsets, strides]).astype(np.int64), device=layout.device)
-        self._mover = self._kernel.mover(self._tables, len(self._pieces), layout.slot_bytes) if self._kernel is not None else None
+        self._kernel_parameters = (
+            self._kernel.parameters(self._tables, len(self._pieces), layout.slot_bytes) if self._kernel is not None else None
+        )
+        # Every chunk's driver calls in one C call (the torch gather, without the kernel, aside).
+        self._between = DriverEvent(self._device_index)  # recorded and waited for within one call, under the submit lock
+        self._chunks = ChunkCopies(
+            self._copies.functions, self._calls.addresses["cuEventRecord"], self._calls.addresses["cuStreamWaitEvent"],
+            self._kstream, self._cstream, self._between.handle, layout.slot_bytes, self._piece_table,
+            (self._staging[0].data_ptr(), self._staging[1].data_ptr()) if self._staging else (0, 0),
+            self._kernel_parameters.for_chunk_copies(gather_ctas) if self._kernel_parameters is not None else None,
+        )
 
     def caller_event(self) -> DriverEvent:
         """An event recorded now on the calling thread's current stream (what its work so far ends with)."""
@@ -132,9 +142,7 @@ class CudaBlockCopier:
         handle = _event_handle(event)
         if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
             return
-        # Both streams touch cache blocks: kernels when staged, DMA when direct.
-        self._calls.wait(self._kstream, handle)
-        self._calls.wait(self._cstream, handle)
+        self._copies.check(self._chunks.wait(handle))  # both streams: kernels touch cache blocks when staged, DMA when direct
 
     def ring_when_complete(self, event: Any, semaphore: WakeSemaphore) -> None:
         """Have the driver ring ``semaphore`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
@@ -169,39 +177,50 @@ class CudaBlockCopier:
             return True
         return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
 
-    def _direct_dma(
-        self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], to_host: bool, pieces: range | None = None,
-    ) -> None:
-        """One descriptor per (block, piece) between cache and host slots, no staging (``pieces``: those
-        of one span of tensors, else all)."""
-        first, stop = (0, len(self._pieces)) if pieces is None else (pieces.start, pieces.stop)
-        outcome = enqueue_pieces(
-            self._copies.functions, self._cstream, to_host, host.data_ptr(), self._layout.slot_bytes, block_ids, rows,
-            self._piece_table, first, stop,
-        )
-        self._copies.check(outcome, len(block_ids) * (stop - first))
-
-    def _take_staging(self, stream: int) -> tuple[int, torch.Tensor]:
+    def _chunk(self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
+        """One chunk's copies, enqueued by one C call (:class:`~..base.piece_copies.ChunkCopies`); its
+        completion event (on the copy stream for a store, the kernel stream for a load)."""
+        done = DriverEvent(self._device_index)
+        if self._direct(len(block_ids)):
+            self._copies.check(self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0))
+            return done
         b = self._turn
         self._turn ^= 1
         free = self._staging_free[b]
+        if self._kernel is None:
+            self._chunk_by_torch(to_host, block_ids, host, rows, b, free, done)
+        else:
+            failed = self._chunks.copy(
+                to_host, False, host.data_ptr(), rows, block_ids, b, free.handle if free is not None else 0, done.handle, *self._cancel,
+            )
+            self._copies.check(failed)
+        self._staging_free[b] = done
+        return done
+
+    def _chunk_by_torch(
+        self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], b: int, free: DriverEvent | None,
+        done: DriverEvent,
+    ) -> None:
+        """A staged chunk without the copy kernel: torch gathers or scatters (a launch per tensor),
+        the DMA of runs of host rows as with it."""
+        first, second = (self._kstream, self._cstream) if to_host else (self._cstream, self._kstream)
         if free is not None:
-            self._calls.wait(stream, free.handle)
-        return b, self._staging[b]
+            self._calls.wait(first, free.handle)
+        staging = self._staging[b]
+        if to_host:
+            self._torch_gather_or_scatter(staging, block_ids, gather=True)
+        else:
+            self._copies.check(enqueue_runs(self._copies.functions, first, False, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
+        between = self._record(first)
+        self._calls.wait(second, between.handle)
+        if to_host:
+            self._copies.check(enqueue_runs(self._copies.functions, second, True, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
+        else:
+            self._torch_gather_or_scatter(staging, block_ids, gather=False)
+        done.record(second)
 
-    def _dma(self, staging: torch.Tensor, host: torch.Tensor, rows: Sequence[int], to_host: bool) -> None:
-        """Staging rows 0..n-1 <-> host ``rows``: one descriptor per run of consecutive host rows."""
-        outcome = enqueue_runs(
-            self._copies.functions, self._cstream, to_host, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows,
-        )
-        self._copies.check(outcome, len(rows))
-
-    def _gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
-        """Cache blocks <-> staging rows 0..n-1, on the kernel stream."""
-        if self._kernel is not None:
-            assert self._mover is not None
-            self._mover.launch(self._kstream, staging.data_ptr(), block_ids, gather, self._max_ctas, self._cancel)
-            return
+    def _torch_gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
+        """Cache blocks <-> staging rows 0..n-1 by torch, on the kernel stream."""
         n = len(block_ids)
         with torch.cuda.device(self._layout.device), torch.cuda.stream(self.kernel_stream):
             idx = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self._layout.device, non_blocking=True)
@@ -215,40 +234,18 @@ class CudaBlockCopier:
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
         """Copy cache blocks into host rows; returns the completion event (on the copy stream)."""
-        n = len(block_ids)
-        assert n <= self.chunk_blocks
+        assert len(block_ids) <= self.chunk_blocks
         self._calls.ensure_context(self._device_index)
-        if self._direct(n):
-            self._direct_dma(block_ids, host, rows, to_host=True)
-            return self._record(self._cstream)
-        b, staging = self._take_staging(self._kstream)
-        self._gather_or_scatter(staging, block_ids, gather=True)
-        gathered = self._record(self._kstream)
-        self._calls.wait(self._cstream, gathered.handle)
-        self._dma(staging, host, rows, to_host=True)
-        done = self._staging_free[b] = self._record(self._cstream)
-        return done
+        return self._chunk(True, block_ids, host, rows)
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> DriverEvent:
         """Copy host rows into cache blocks; returns the completion event (on the kernel stream)."""
-        n = len(block_ids)
-        assert n <= self.chunk_blocks
+        assert len(block_ids) <= self.chunk_blocks
         self._calls.ensure_context(self._device_index)
         if self._loads_by_sm:
             self._scatter_from_host(host, rows, block_ids).launch(self._kstream, range(len(self._pieces)))
             return self._record(self._kstream)
-        if self._direct(n):
-            self._direct_dma(block_ids, host, rows, to_host=False)
-            landed = self._record(self._cstream)  # kept alive until the wait is enqueued
-            self._calls.wait(self._kstream, landed.handle)
-            return self._record(self._kstream)
-        b, staging = self._take_staging(self._cstream)
-        self._dma(staging, host, rows, to_host=False)
-        landed = self._record(self._cstream)
-        self._calls.wait(self._kstream, landed.handle)
-        self._gather_or_scatter(staging, block_ids, gather=False)
-        done = self._staging_free[b] = self._record(self._kstream)
-        return done
+        return self._chunk(False, block_ids, host, rows)
 
     def to_device_by_tensor(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> list[DriverEvent]:
         """Copy host rows into cache blocks tensor by tensor, in ``kv_caches`` order, then an event
@@ -263,7 +260,10 @@ class CudaBlockCopier:
             return self._scatter_by_tensor(host, rows, block_ids)
         events: list[DriverEvent] = []
         for pieces in self._tensor_spans:
-            self._direct_dma(block_ids, host, rows, to_host=False, pieces=pieces)
+            self._copies.check(enqueue_pieces(
+                self._copies.functions, self._cstream, False, host.data_ptr(), self._layout.slot_bytes, block_ids, rows,
+                self._piece_table, pieces.start, pieces.stop,
+            ))
             events.append(self._record(self._cstream))
         return events
 

@@ -172,11 +172,14 @@ class CopyEntryPoints:
             return 0
         return int(pfn)
 
-    def check(self, outcome: tuple[int, int], copies: int) -> None:
-        """Raise :class:`CudaError` if the enqueueing ``piece_copies`` call returning ``outcome`` failed."""
-        err, failed = outcome
-        if err:
-            check(f"{'cuMemcpyBatchAsync' if self.batched else 'cuMemcpyAsync'} (copy {failed} of {copies})", err)
+    def check(self, failed: tuple[int, str, int] | None) -> None:
+        """Raise :class:`CudaError` for what a :mod:`..base.piece_copies` call reports failed (None: nothing)."""
+        if failed is None:
+            return
+        err, call, index = failed
+        if call == "copy":
+            call = f"{'cuMemcpyBatchAsync' if self.batched else 'cuMemcpyAsync'} (copy {index})"
+        check(call, err)
 
 
 def _proc_address(cu: Any, name: str, version: int = 12000) -> int:
@@ -207,9 +210,13 @@ class EnqueueCalls:
     def __init__(self) -> None:
         cu = driver()
 
+        self.addresses: dict[str, int] = {}
+        """Each entry point's address, by name, for C callers (:class:`..base.piece_copies.ChunkCopies`)."""
+
         def resolve(name: str, *argtypes: Any, releasing_gil: bool = False) -> Any:
             prototype = ctypes.CFUNCTYPE if releasing_gil else ctypes.PYFUNCTYPE  # only calls that sleep release it
-            return prototype(ctypes.c_int, *argtypes)(_proc_address(cu, name))
+            address = self.addresses[name] = _proc_address(cu, name)
+            return prototype(ctypes.c_int, *argtypes)(address)
 
         self.ctx_get_current = resolve("cuCtxGetCurrent", _VOID_P)
         self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
@@ -222,8 +229,6 @@ class EnqueueCalls:
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
-        self.launch_kernel_address = _proc_address(cu, "cuLaunchKernel")
-        """``cuLaunchKernel`` for C callers (:func:`..base.piece_copies.launch_pieces`)."""
         self.host_func_launch = resolve("cuLaunchHostFunc", _VOID_P, _VOID_P, _VOID_P)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)

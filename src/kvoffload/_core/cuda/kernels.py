@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from ..base.piece_copies import launch_pieces
 from .driver import check, context_for, driver, enqueue_calls
 
-__all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "PieceKernel", "PieceMover", "piece_kernel"]
+__all__ = ["MAX_BLOCKS", "MAX_PAIRS", "HostScatter", "MovePiecesParameters", "PieceKernel", "piece_kernel"]
 
 log = logging.getLogger("kvoffload")
 
@@ -138,13 +137,13 @@ class PieceKernel:
         self._func, self._scatter = int(func), int(scatter)
         self._calls = enqueue_calls()
 
-    def mover(self, tables: torch.Tensor, tensors: int, slot_bytes: int) -> PieceMover:
-        """Launches of ``move_pieces`` for one copier: cache blocks <-> staging rows.
+    def parameters(self, tables: torch.Tensor, tensors: int, slot_bytes: int) -> MovePiecesParameters:
+        """The parameters of ``move_pieces`` for one copier's launches: cache blocks <-> staging rows.
 
         ``tables`` is a CUDA ``uint64[4, pieces]`` tensor: base addresses, bytes per block,
         offsets in a slot, bytes between blocks (``tensors`` columns).
         """
-        return PieceMover(self._func, self._calls, tables, tensors, slot_bytes)
+        return MovePiecesParameters(self._func, self._calls, tables, tensors, slot_bytes)
 
     def scatter_from_host(
         self, tables: torch.Tensor, host: int, slot_bytes: int, block_ids: Sequence[int], rows: Sequence[int],
@@ -155,18 +154,18 @@ class PieceKernel:
 
         The SMs read host memory over the bus: no staging buffer and no copy descriptor per piece,
         so a tensor of a large load costs one launch (or one per :data:`MAX_PAIRS` blocks).
-        ``tables`` as for :meth:`mover`, ``max_ctas`` and ``cancel`` as for :meth:`PieceMover.launch`.
+        ``tables`` as for :meth:`parameters`; ``max_ctas`` caps the CTAs of a launch (0: one per piece);
+        ``cancel``: a cancel flag's device address and generation (0: none), read before each piece.
         """
         return HostScatter(self._scatter, self._calls, tables, host, slot_bytes, block_ids, rows, max_ctas, cancel)
 
 
-class PieceMover:
-    """One copier's launches of ``move_pieces``. The kernel's parameters are built once and
-    updated in place for each launch (building them costs more than the launch itself), so one
-    mover serves one thread at a time: a copier's calls hold its worker's submit lock."""
+class MovePiecesParameters:
+    """One copier's parameters of ``move_pieces``, built once: :class:`~..base.piece_copies.ChunkCopies`
+    writes each launch's into them in place (building them costs more than the launch itself), so
+    they serve one thread at a time: a copier's calls hold its worker's submit lock."""
 
     def __init__(self, func: int, calls: Any, tables: torch.Tensor, tensors: int, slot_bytes: int) -> None:
-        self._func, self._calls, self._tensors = func, calls, tensors
         self._staging, self._gather = ctypes.c_uint64(0), ctypes.c_int(0)
         self._cancel, self._generation = ctypes.c_uint64(0), ctypes.c_int(0)
         self._blocks = _Blocks()
@@ -175,27 +174,16 @@ class PieceMover:
             self._cancel, self._generation, self._blocks,
         ]
         self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
-        self._params_address, self._blocks_address = ctypes.addressof(self._params), ctypes.addressof(self._blocks)
-        self._launch = calls.launch_kernel_address
+        self._launch, self._func, self._tensors = calls.addresses["cuLaunchKernel"], func, tensors
 
-    def launch(
-        self, stream: int, staging: int, block_ids: Sequence[int], gather: bool, max_ctas: int = 0,
-        cancel: tuple[int, int] = (0, 0),
-    ) -> None:
-        """Enqueue the copies of ``block_ids`` (cache blocks <-> staging rows 0..n-1) on ``stream``.
-
-        ``max_ctas`` caps the CTAs of a launch (0: one per piece), leaving SMs to other kernels
-        at some cost in speed. ``cancel``: a cancel flag's device address and generation
-        (address 0: none); once the flag holds the generation, pieces not yet started are skipped.
-        """
-        self._staging.value, self._gather.value = staging, int(gather)
-        self._cancel.value, self._generation.value = cancel
-        err = launch_pieces(
-            self._launch, self._func, stream, self._params_address, self._blocks_address, MAX_BLOCKS, self._tensors, THREADS,
-            max_ctas, block_ids,
+    def for_chunk_copies(self, max_ctas: int) -> tuple[int, ...]:
+        """What :class:`~..base.piece_copies.ChunkCopies` takes as ``kernel``: the launch function, the
+        kernel, its parameters' addresses and counts (``max_ctas``: see ``Offloader(gather_ctas=)``)."""
+        address = ctypes.addressof
+        return (
+            self._launch, self._func, address(self._params), address(self._blocks), MAX_BLOCKS, self._tensors, THREADS,
+            max_ctas, address(self._staging), address(self._gather), address(self._cancel), address(self._generation),
         )
-        if err:
-            check("cuLaunchKernel(move_pieces)", err)
 
 
 class HostScatter:
