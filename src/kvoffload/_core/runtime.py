@@ -446,9 +446,9 @@ def finalize_runtime(rt: Runtime) -> None:
 
 def _init_worker_thread(device: torch.device) -> Callable[[], None]:
     def init() -> None:
-        # Copies here are memory bound; an OpenMP team per worker thread only
-        # contends with the caller's (measured on 2 cores: 64 KiB slice copies
-        # 6x slower with the default team). The setting is per thread.
+        # What torch runs here (gathers without the copy kernel, disk-tier copies) is memory
+        # bound; an OpenMP team per worker thread only contends with the caller's (measured on
+        # 2 cores: 64 KiB slice copies 6x slower with the default team). The setting is per thread.
         torch.set_num_threads(1)
         if device.type == "cuda":
             torch.cuda.set_device(device)
