@@ -78,15 +78,15 @@ def test_memcpy_pieces_releases_the_gil_only_for_copies_of_release_gil_bytes(rel
         while not stop.is_set():
             counted[0] += 1
             if counted[0] % 1000 == 0:
-                time.sleep(0)  # gives the GIL back to the copying thread once its copy has returned
+                time.sleep(1e-4)  # lets the copying thread take the GIL between copies
 
     interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # before any thread waits: the GIL changes hands only where a thread gives it up
     counter = threading.Thread(target=count)
     try:
         counter.start()
         while not counted[0]:
-            time.sleep(0.001)
-        sys.setswitchinterval(10.0)  # from here the GIL changes hands where released, at no switch interval
+            time.sleep(1e-3)
         before = counted[0]
         memcpy_pieces(True, host.data_ptr(), piece, range(blocks), range(blocks), table, release_gil_bytes)
         during = counted[0] - before
