@@ -138,10 +138,19 @@ static int check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
     return 0;
 }
 
-static int same_length(const Ints *ids, const Ints *rows)
+/* Block ids and their host rows, as two Ints of one length; on failure neither is held. */
+static int ids_and_rows_from(PyObject *ids_seq, PyObject *rows_seq, Ints *ids, Ints *rows)
 {
+    if (ints_from(ids_seq, ids, "a block id") < 0) {
+        return -1;
+    }
+    if (ints_from(rows_seq, rows, "a host row") < 0) {
+        ints_free(ids);
+        return -1;
+    }
     if (ids->n != rows->n) {
         PyErr_Format(PyExc_ValueError, "%zd block ids but %zd host rows", ids->n, rows->n);
+        ints_free(ids), ints_free(rows);
         return -1;
     }
     return 0;
@@ -232,15 +241,11 @@ static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     Ints ids, rows;
-    if (ints_from(args[3], &ids, "a block id") < 0) {
-        return NULL;
-    }
-    if (ints_from(args[4], &rows, "a host row") < 0) {
-        ints_free(&ids);
+    if (ids_and_rows_from(args[3], args[4], &ids, &rows) < 0) {
         return NULL;
     }
     Pieces pieces;
-    if (same_length(&ids, &rows) < 0 || pieces_from(args[5], &pieces) < 0) {
+    if (pieces_from(args[5], &pieces) < 0) {
         ints_free(&ids), ints_free(&rows);
         return NULL;
     }
@@ -513,17 +518,10 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         return NULL;
     }
     Ints ids, rows;
-    if (ints_from(args[4], &ids, "a block id") < 0) {
-        return NULL;
-    }
-    if (ints_from(args[3], &rows, "a host row") < 0) {
-        ints_free(&ids);
+    if (ids_and_rows_from(args[4], args[3], &ids, &rows) < 0) {
         return NULL;
     }
     PyObject *out = NULL;
-    if (same_length(&ids, &rows) < 0) {
-        goto done;
-    }
     for (Py_ssize_t i = 0; !direct && i < ids.n; i++) {
         if (ids.v[i] > INT32_MAX) {
             PyErr_Format(PyExc_OverflowError, "block id %llu does not fit the kernel's int", (unsigned long long)ids.v[i]);
@@ -647,15 +645,11 @@ static PyObject *enqueue_pieces(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     Ints ids, rows;
-    if (ints_from(args[5], &ids, "a block id") < 0) {
-        return NULL;
-    }
-    if (ints_from(args[6], &rows, "a host row") < 0) {
-        ints_free(&ids);
+    if (ids_and_rows_from(args[5], args[6], &ids, &rows) < 0) {
         return NULL;
     }
     Pieces pieces;
-    if (same_length(&ids, &rows) < 0 || pieces_from(args[7], &pieces) < 0) {
+    if (pieces_from(args[7], &pieces) < 0) {
         ints_free(&ids), ints_free(&rows);
         return NULL;
     }

@@ -119,7 +119,7 @@ class CudaBlockCopier:
         self._piece_table = layout.piece_table(self._rows)
         bases, strides, offsets, nbytes = self._piece_table.T
         self._tables = torch.tensor(np.stack([bases, nbytes, offsets, strides]).astype(np.int64), device=layout.device)
-        self._kernel_parameters = (
+        self._kernel_parameters = (  # kept alive here: ChunkCopies writes into them by address
             self._kernel.parameters(self._tables, len(self._pieces), layout.slot_bytes) if self._kernel is not None else None
         )
         # Every chunk's driver calls in one C call (the torch gather, without the kernel, aside).
@@ -207,14 +207,20 @@ class CudaBlockCopier:
         if free is not None:
             self._calls.wait(first, free.handle)
         staging = self._staging[b]
+
+        def dma(stream: int) -> None:  # host rows <-> staging rows, the way to_host says
+            self._copies.check(enqueue_runs(
+                self._copies.functions, stream, to_host, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows,
+            ))
+
         if to_host:
             self._torch_gather_or_scatter(staging, block_ids, gather=True)
         else:
-            self._copies.check(enqueue_runs(self._copies.functions, first, False, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
+            dma(first)
         between = self._record(first)
         self._calls.wait(second, between.handle)
         if to_host:
-            self._copies.check(enqueue_runs(self._copies.functions, second, True, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
+            dma(second)
         else:
             self._torch_gather_or_scatter(staging, block_ids, gather=False)
         done.record(second)
