@@ -207,20 +207,14 @@ class CudaBlockCopier:
         if free is not None:
             self._calls.wait(first, free.handle)
         staging = self._staging[b]
-
-        def dma(stream: int) -> None:  # host rows <-> staging rows, the way to_host says
-            self._copies.check(enqueue_runs(
-                self._copies.functions, stream, to_host, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows,
-            ))
-
         if to_host:
             self._torch_gather_or_scatter(staging, block_ids, gather=True)
         else:
-            dma(first)
+            self._copies.check(enqueue_runs(self._copies.functions, first, False, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
         between = self._record(first)
         self._calls.wait(second, between.handle)
         if to_host:
-            dma(second)
+            self._copies.check(enqueue_runs(self._copies.functions, second, True, host.data_ptr(), staging.data_ptr(), self._layout.slot_bytes, rows))
         else:
             self._torch_gather_or_scatter(staging, block_ids, gather=False)
         done.record(second)
