@@ -46,6 +46,20 @@ def nothing_allocated(monkeypatch):
     return created
 
 
+@pytest.fixture
+def host_allocations(monkeypatch) -> list[int]:
+    """The size of every host buffer allocated from here on (host slab, bounce buffers), in order."""
+    allocated: list[int] = []
+    real = hostmem.HostBuffer.__init__
+
+    def init(self, nbytes, *, pin):
+        allocated.append(nbytes)
+        real(self, nbytes, pin=pin)
+
+    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
+    return allocated
+
+
 def _with_disk_path(tmp_path, kwargs: dict) -> dict:
     """``kwargs`` with a ``disk_path`` if they size the disk tier."""
     return {**kwargs, "disk_path": tmp_path / "kv"} if {"disk_blocks", "disk_bytes"} & set(kwargs) else kwargs
@@ -173,44 +187,28 @@ def test_a_disk_without_room_at_reserve_names_the_free_space(caches, tmp_path, m
 
 
 @pytest.mark.parametrize("host_blocks", [0, 8])
-def test_the_footprint_is_what_start_allocates(caches, tmp_path, monkeypatch, host_blocks):
+def test_the_footprint_is_what_start_allocates(caches, tmp_path, host_allocations, host_blocks):
     from kvoffload._core.runtime import Footprint
 
-    allocated = []
-    real = hostmem.HostBuffer.__init__
-
-    def init(self, nbytes, *, pin):
-        allocated.append(nbytes)
-        real(self, nbytes, pin=pin)
-
-    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
     with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=8, chunk_bytes=3 * SLOT + 1) as off:
         need = Footprint.of(off.layout, off.options, off.options.tier_slots(SLOT))
-        assert sum(allocated) == need.host_slab + need.disk_bounce
+        assert sum(host_allocations) == need.host_slab + need.disk_bounce
         assert need.disk_bounce == (2 if host_blocks else 4) * 3 * SLOT and need.host_slab == host_blocks * SLOT
         assert need.disk_file == disk_file_stat(off).st_size == 8 * SLOT and need.gpu_staging == 0
         assert off.stats().gpu_staging_bytes == 0  # CPU caches: no staging
 
 
 @pytest.mark.parametrize("host_blocks", [0, 4])
-def test_bounce_bytes_sizes_the_disk_bounce_buffers_and_transfers_still_round_trip(tmp_path, monkeypatch, host_blocks):
+def test_bounce_bytes_sizes_the_disk_bounce_buffers_and_transfers_still_round_trip(tmp_path, host_allocations, host_blocks):
     from kvoffload._core.runtime import Footprint
 
     caches = random_caches(64, seed=9)
-    allocated = []
-    real = hostmem.HostBuffer.__init__
-
-    def init(self, nbytes, *, pin):
-        allocated.append(nbytes)
-        real(self, nbytes, pin=pin)
-
-    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
     want = {k: block_bytes(caches, k) for k in range(32)}
     with kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=tmp_path / "kv", disk_blocks=64,
                              chunk_bytes=16 * SLOT, bounce_bytes=SLOT + 100) as off:  # one slot per half
         need = Footprint.of(off.layout, off.options, off.options.tier_slots(SLOT))
         assert need.disk_bounce == (2 if host_blocks else 4) * SLOT
-        assert sum(allocated) == need.host_slab + need.disk_bounce
+        assert sum(host_allocations) == need.host_slab + need.disk_bounce
         off.store({k: k for k in range(32)}).result(10)
         for t in caches.values():
             t.zero_()
