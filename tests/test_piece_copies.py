@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload._core.base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_runs, memcpy_pieces
+from kvoffload._core.base.piece_copies import ChunkCopies, context_status, enqueue_pieces, enqueue_ring, enqueue_runs, memcpy_pieces
 
 SLOT = 4096
 
@@ -354,6 +354,63 @@ def test_chunk_copies_wait_makes_both_streams_wait() -> None:
     driver = StandInDriver()
     assert driver.chunk_copies(table).wait(FREE) is None
     assert driver.log == [("wait", K, FREE), ("wait", C, FREE)]
+
+
+CALLER = 66  # the caller's current stream
+
+
+@pytest.mark.parametrize("fail, reported", [(None, None), (("record", 0), (9, "cuEventRecord", 0)), (("wait", 1), (9, "cuStreamWaitEvent", 0))])
+def test_chunk_copies_wait_for_stream_records_there_then_both_streams_wait(fail, reported) -> None:
+    """What a store or load enqueued at call time starts with: the caller's stream's work so far,
+    marked by the copier's own event and waited for by both of its streams; the first failure stops it."""
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver(fail=fail)
+    assert driver.chunk_copies(table).wait_for_stream(CALLER) == reported
+    calls = [("record", BETWEEN, CALLER), ("wait", K, BETWEEN), ("wait", C, BETWEEN)]
+    assert driver.log == (calls if fail is None else calls[: 1 + fail[1] + (fail[0] == "wait")])
+
+
+HOST_FUNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("fail", [None, "wait", "host function"])
+def test_enqueue_ring_waits_for_the_event_then_enqueues_the_host_function(fail) -> None:
+    log: list[tuple] = []
+
+    def wait(stream, event, flags) -> int:
+        log.append(("wait", stream, event, flags))
+        return 7 if fail == "wait" else 0
+
+    def launch(stream, fn, data) -> int:
+        log.append(("host function", stream, fn, data))
+        return 8 if fail == "host function" else 0
+
+    callbacks = WAIT(wait), HOST_FUNC(launch)
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+    outcome = enqueue_ring(address(callbacks[0]), address(callbacks[1]), 5, 6, 7, 8)
+    assert outcome == {None: None, "wait": (7, "cuStreamWaitEvent", 0), "host function": (8, "cuLaunchHostFunc", 0)}[fail]
+    expected = [("wait", 5, 6, 0), ("host function", 5, 7, 8)]
+    assert log == (expected[:1] if fail == "wait" else expected)
+    with pytest.raises(ValueError, match="is 0"):
+        enqueue_ring(0, address(callbacks[1]), 5, 6, 7, 8)
+    with pytest.raises(TypeError):
+        enqueue_ring(1, 2, 3, 4, 5)
+    assert len(log) == len(expected[:1] if fail == "wait" else expected)
+
+
+CTX_GET_CURRENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+
+
+@pytest.mark.parametrize("context, err, status", [(0x1234, 0, 0), (0, 0, -1), (0, 3, 3)])
+def test_context_status_tells_a_current_context_from_none_and_from_an_error(context, err, status) -> None:
+    def get_current(out) -> int:
+        out[0] = context
+        return err
+
+    fn = CTX_GET_CURRENT(get_current)
+    assert context_status(ctypes.cast(fn, ctypes.c_void_p).value) == status
+    with pytest.raises(ValueError):
+        context_status(0)
 
 
 @pytest.mark.parametrize(

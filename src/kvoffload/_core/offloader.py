@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, Literal, overload
 
 import torch
@@ -336,22 +335,22 @@ class Offloader:
             raise ClosedError("the offloader is closed")
         return storage
 
-    @contextlib.contextmanager
-    def _call(self) -> Iterator[TieredStorage]:
-        """The running storage, for one ``store()``/``load()`` call: close() waits until the call
-        has returned (the lock is held only to count it, never across its work). The call is
-        counted and uncounted by token, so an interrupt anywhere leaves no count behind."""
+    def _call_started(self, token: object) -> TieredStorage:
+        """The running storage, for one ``store()``/``load()`` call, counted under ``token``: close()
+        waits until the call has returned (the lock is held only to count it, never across its work).
+        The caller's ``finally``, which covers this call too, uncounts it with
+        ``self._calls.pop(token, None)`` (one C call: an interrupt cannot land between the call's end
+        and the uncounting), then :meth:`_wake_close` if it was the last."""
         self._check_process()
-        token = object()
-        try:
-            with self._lock:
-                storage = self._running_storage()
-                self._calls[token] = threading.get_ident()
-            yield storage
-        finally:
-            with self._lock:
-                if self._calls.pop(token, None) is not None and not self._calls:
-                    self._calls_ended.notify_all()
+        with self._lock:
+            storage = self._running_storage()
+            self._calls[token] = threading.get_ident()
+        return storage
+
+    def _wake_close(self) -> None:
+        """The last call in progress has returned: wake a close() waiting for it."""
+        with self._lock:
+            self._calls_ended.notify_all()
 
     # -- transfers ----------------------------------------------------------------
 
@@ -367,8 +366,12 @@ class Offloader:
         """
         checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False)
         self._check_after(after)
-        with self._call() as storage:
-            return storage.store(checked, after)
+        token = object()
+        try:
+            return self._call_started(token).store(checked, after)
+        finally:
+            if self._calls.pop(token, None) is not None and not self._calls:
+                self._wake_close()
 
     def load(
         self, blocks: Mapping[Hashable, int], *, after: torch.cuda.Event | None = None, per_tensor: bool = False,
@@ -396,12 +399,17 @@ class Offloader:
         self._check_after(after)
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a kvoffload.Lease from lookup(keys, hold=True), got {type(lease).__name__}")
-        with self._call() as storage:
+        token = object()
+        try:
+            storage = self._call_started(token)
             if lease is None:
                 return storage.load(checked, after, per_tensor, expedited)
             if lease._index is not storage.index:
                 raise ValueError("the lease is from another offloader")
             transfer = storage.load(checked, after, per_tensor, expedited, lease._taking(checked))
+        finally:
+            if self._calls.pop(token, None) is not None and not self._calls:
+                self._wake_close()
         lease.release()  # its keys not loaded
         return transfer
 

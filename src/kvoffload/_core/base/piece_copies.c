@@ -16,6 +16,9 @@
  *                   loads without the copy kernel).
  *   enqueue_runs    GPU caches: one DMA per run of host rows, to or from a staging buffer (chunks
  *                   gathered or scattered by torch, without the copy kernel).
+ *   enqueue_ring    GPU caches: a stream wait and a host function that rings a semaphore once an
+ *                   event completes (how the landing watcher and waiting threads are woken).
+ *   context_status  whether the calling thread has a current CUDA context (asked per transfer).
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
  * this file needs no CUDA header or library to build, and builds and imports the same on a
@@ -284,8 +287,8 @@ typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);
 
 /* The calls a chunk needs, by name, for errors: what failed is (error code, call, copy index). */
-enum { CALL_WAIT, CALL_RECORD, CALL_COPY, CALL_LAUNCH };
-static const char *const call_names[] = {"cuStreamWaitEvent", "cuEventRecord", "copy", "cuLaunchKernel(move_pieces)"};
+enum { CALL_WAIT, CALL_RECORD, CALL_COPY, CALL_LAUNCH, CALL_HOST_FUNC };
+static const char *const call_names[] = {"cuStreamWaitEvent", "cuEventRecord", "copy", "cuLaunchKernel(move_pieces)", "cuLaunchHostFunc"};
 
 typedef struct {
     PyObject_HEAD
@@ -593,9 +596,34 @@ static PyObject *chunk_copies_wait(ChunkCopies *self, PyObject *event_arg)
     return outcome_object(&o);
 }
 
+PyDoc_STRVAR(chunk_copies_wait_for_stream_doc,
+"wait_for_stream(stream, /) -> None | (error, call, 0)\n\n"
+"Make both streams wait for the work enqueued so far on ``stream`` (a raw CUstream, the caller's):\n"
+"its own event recorded there, then waited for; every later chunk runs after that work.");
+
+static PyObject *chunk_copies_wait_for_stream(ChunkCopies *self, PyObject *stream_arg)
+{
+    uint64_t stream;
+    if (as_u64(stream_arg, &stream, "stream") < 0) {
+        return NULL;
+    }
+    if (self->pieces_owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+        return NULL;
+    }
+    /* `between` serves here too: a wait uses the event's state when it is enqueued, and calls come one at a time */
+    Outcome o = {0, 0, 0};
+    if (!failed(&o, self->record(self->between, (void *)(uintptr_t)stream), CALL_RECORD)
+        && !failed(&o, self->wait(self->kernel_stream, self->between, 0), CALL_WAIT)) {
+        failed(&o, self->wait(self->copy_stream, self->between, 0), CALL_WAIT);
+    }
+    return outcome_object(&o);
+}
+
 static PyMethodDef chunk_copies_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))chunk_copies_copy, METH_FASTCALL, chunk_copies_copy_doc},
     {"wait", (PyCFunction)chunk_copies_wait, METH_O, chunk_copies_wait_doc},
+    {"wait_for_stream", (PyCFunction)chunk_copies_wait_for_stream, METH_O, chunk_copies_wait_for_stream_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -707,12 +735,70 @@ static PyObject *enqueue_runs(PyObject *self, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
+/* -- enqueue_ring, context_status ----------------------------------------------------------- */
+
+typedef int (*launch_host_func_fn)(void *stream, void *fn, void *data);
+typedef int (*ctx_get_current_fn)(void **ctx);
+
+PyDoc_STRVAR(enqueue_ring_doc,
+"enqueue_ring(wait, launch_host_func, stream, event, fn, data, /) -> None | (error, call, 0)\n\n"
+"Make ``stream`` wait for ``event``, then call the C function ``fn(data)`` from the driver's thread\n"
+"(cuStreamWaitEvent, cuLaunchHostFunc: their addresses given first): a ring once ``event`` completes.");
+
+static PyObject *enqueue_ring(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t v[6];
+    static const char *const what[] = {"wait", "launch_host_func", "stream", "event", "fn", "data"};
+    if (check_nargs(nargs, 6, "enqueue_ring") < 0) {
+        return NULL;
+    }
+    for (int i = 0; i < 6; i++) {
+        if (as_u64(args[i], &v[i], what[i]) < 0) {
+            return NULL;
+        }
+    }
+    if (v[0] == 0 || v[1] == 0 || v[4] == 0) {
+        PyErr_SetString(PyExc_ValueError, "enqueue_ring: a function address is 0");
+        return NULL;
+    }
+    stream_wait_fn wait = (stream_wait_fn)(uintptr_t)v[0];
+    launch_host_func_fn launch = (launch_host_func_fn)(uintptr_t)v[1];
+    void *stream = (void *)(uintptr_t)v[2];
+    Outcome o = {0, 0, 0};
+    if (!failed(&o, wait(stream, (void *)(uintptr_t)v[3], 0), CALL_WAIT)) {
+        failed(&o, launch(stream, (void *)(uintptr_t)v[4], (void *)(uintptr_t)v[5]), CALL_HOST_FUNC);
+    }
+    return outcome_object(&o);
+}
+
+PyDoc_STRVAR(context_status_doc,
+"context_status(ctx_get_current, /) -> int\n\n"
+"Whether the calling thread has a current CUDA context (``cuCtxGetCurrent``, its address given):\n"
+"0 if it has, -1 if it has none, else the driver's error code.");
+
+static PyObject *context_status(PyObject *self, PyObject *fn_arg)
+{
+    uint64_t fn;
+    if (as_u64(fn_arg, &fn, "ctx_get_current") < 0) {
+        return NULL;
+    }
+    if (fn == 0) {
+        PyErr_SetString(PyExc_ValueError, "context_status: the function address is 0");
+        return NULL;
+    }
+    void *ctx = NULL;
+    int err = ((ctx_get_current_fn)(uintptr_t)fn)(&ctx);
+    return PyLong_FromLong(err ? err : ctx != NULL ? 0 : -1);
+}
+
 /* -- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
     {"memcpy_pieces", (PyCFunction)(void (*)(void))memcpy_pieces, METH_FASTCALL, memcpy_pieces_doc},
     {"enqueue_pieces", (PyCFunction)(void (*)(void))enqueue_pieces, METH_FASTCALL, enqueue_pieces_doc},
     {"enqueue_runs", (PyCFunction)(void (*)(void))enqueue_runs, METH_FASTCALL, enqueue_runs_doc},
+    {"enqueue_ring", (PyCFunction)(void (*)(void))enqueue_ring, METH_FASTCALL, enqueue_ring_doc},
+    {"context_status", (PyCFunction)context_status, METH_O, context_status_doc},
     {NULL, NULL, 0, NULL},
 };
 

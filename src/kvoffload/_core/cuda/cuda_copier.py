@@ -49,7 +49,7 @@ import torch
 
 from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout
-from ..base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_runs
+from ..base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_ring, enqueue_runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import CopyEntryPoints, DriverEvent, enqueue_calls, host_device_address
 from .kernels import HostScatter, piece_kernel
@@ -98,6 +98,10 @@ class CudaBlockCopier:
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
+        # (cuStreamWaitEvent, cuLaunchHostFunc, the ring stream): how enqueue_ring rings a semaphore
+        self._ring_calls = (
+            self._calls.addresses["cuStreamWaitEvent"], self._calls.addresses["cuLaunchHostFunc"], self._ring_stream.cuda_stream,
+        )
         self._copies = CopyEntryPoints(use_batch=use_batch_copy)
         # copy_engine="dma": no kernel at all; every piece is a DMA descriptor (no SM time)
         self._kernel = piece_kernel(self._device_index) if copy_engine == "kernel" else None
@@ -137,8 +141,13 @@ class CudaBlockCopier:
         return DriverEvent(self._device_index).record(_current_raw_stream(self._device_index))
 
     def wait_for(self, event: Any) -> None:
-        """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)."""
+        """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``), or, if
+        None, for the work enqueued so far on the calling thread's current stream (an event of the
+        copier's own recorded there and waited for in one C call: callers hold the submit lock)."""
         self._calls.ensure_context(self._device_index)
+        if event is None:
+            self._copies.check(self._chunks.wait_for_stream(_current_raw_stream(self._device_index)))
+            return
         handle = _event_handle(event)
         if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
             return
@@ -149,10 +158,8 @@ class CudaBlockCopier:
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL)."""
         self._calls.ensure_context(self._device_index)
-        stream = self._ring_stream.cuda_stream
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
-            self._calls.wait(stream, _event_handle(event))
-            self._calls.launch_host_func(stream, WakeSemaphore.RING_FUNCTION, semaphore.address)
+            self._copies.check(enqueue_ring(*self._ring_calls, _event_handle(event), WakeSemaphore.RING_FUNCTION, semaphore.address))
 
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
+from ..base.piece_copies import context_status
 
 __all__ = [
     "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "CopyEntryPoints",
@@ -218,7 +219,7 @@ class EnqueueCalls:
             address = self.addresses[name] = _proc_address(cu, name)
             return prototype(ctypes.c_int, *argtypes)(address)
 
-        self.ctx_get_current = resolve("cuCtxGetCurrent", _VOID_P)
+        self._ctx_get_current = self.addresses["cuCtxGetCurrent"] = _proc_address(cu, "cuCtxGetCurrent")
         self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
         self.event_destroy = resolve("cuEventDestroy", _VOID_P)
         self.event_record = resolve("cuEventRecord", _VOID_P, _VOID_P)
@@ -229,7 +230,7 @@ class EnqueueCalls:
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
-        self.host_func_launch = resolve("cuLaunchHostFunc", _VOID_P, _VOID_P, _VOID_P)
+        self.addresses["cuLaunchHostFunc"] = _proc_address(cu, "cuLaunchHostFunc")  # called from C only (enqueue_ring)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         self.free_events: dict[int, list[int]] = {}
@@ -237,12 +238,11 @@ class EnqueueCalls:
 
     def ensure_context(self, device_index: int) -> None:
         """Make the device's primary context current in this thread if none is (once per thread)."""
-        ctx = ctypes.c_void_p(0)
-        err = self.ctx_get_current(ctypes.addressof(ctx))
-        if err:
-            check("cuCtxGetCurrent", err)
-        if ctx.value:
+        status = context_status(self._ctx_get_current)  # asked per transfer: in C, a fraction of a ctypes call
+        if status == 0:
             return
+        if status > 0:
+            check("cuCtxGetCurrent", status)
         cu = driver()
         (err,) = cu.cuCtxSetCurrent(primary_context(device_index))
         check("cuCtxSetCurrent", err)
@@ -252,13 +252,6 @@ class EnqueueCalls:
         err = self.stream_wait_event(stream, event_handle, 0)
         if err:
             check("cuStreamWaitEvent", err)
-
-    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
-        """Enqueue the C function at address ``fn``, called with ``data`` on the driver's thread
-        once ``stream`` reaches it."""
-        err = self.host_func_launch(stream, fn, data)
-        if err:
-            check("cuLaunchHostFunc", err)
 
 
 @lru_cache(maxsize=1)

@@ -282,7 +282,12 @@ class TieredStorage:
         """Start a transfer: as a host-copy job when ``requests`` (its copies between cache and host slots) are given
         and can be enqueued now (GPU; ``enqueue(after)`` instead of the submitter's ``enqueue`` when given) or
         made in one step (one chunk), else ``run(after)`` as a task. Whatever is enqueued now is
-        recorded in ``hand_over``."""
+        recorded in ``hand_over``. ``after`` None: after the work enqueued so far on the caller's current
+        stream (copies enqueued now wait for it in the same call; a task waits for an event recorded now)."""
+        if requests is not None and self.layout.is_cuda:
+            copies = enqueue(after) if enqueue is not None else worker.submitter.enqueue(requests, after, hand_over)
+            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=copies))
+            return
         if after is None:
             try:
                 after = worker.copier.caller_event()
@@ -290,10 +295,7 @@ class TieredStorage:
                 hand_over.copies = SubmittedCopies([], e)
                 worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=hand_over.copies))
                 return
-        if requests is not None and self.layout.is_cuda:
-            copies = enqueue(after) if enqueue is not None else worker.submitter.enqueue(requests, after, hand_over)
-            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=copies))
-        elif requests is not None and len(requests) == 1:
+        if requests is not None and len(requests) == 1:
             worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, requests=requests))
         else:
             worker.tasks.start(control, hand_over, lambda: run(after), plan.cleanup, plan.ended)

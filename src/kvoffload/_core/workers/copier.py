@@ -35,7 +35,8 @@ class BlockCopier(Protocol):
         ...
 
     def wait_for(self, event: CopyEvent | None) -> None:
-        """Make every later copy wait until ``event`` (caller's compute) has completed."""
+        """Make every later copy wait until ``event`` (caller's compute) has completed; None: the work
+        enqueued so far on the calling thread's current stream (GPU caches)."""
         ...
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> CopyEvent | None:

@@ -103,7 +103,8 @@ class CopySubmitter:
     # -- submission at call time (callers' threads) ------------------------------------------
 
     def enqueue(self, requests: Sequence[CopyRequest], after: Any, hand_over: HandOver) -> SubmittedCopies:
-        """Submit every request now, in the calling thread, after ``after`` (an event, or None).
+        """Submit every request now, in the calling thread, after ``after`` (an event, or None: the work
+        enqueued so far on the calling thread's current stream).
 
         For GPU caches this only enqueues work on the copier's streams, so the
         copies run with no Python step between them, whatever the calling
@@ -149,8 +150,7 @@ class CopySubmitter:
         try:
             with self._lock:
                 try:
-                    if after is not None:
-                        self.copier.wait_for(after)
+                    self.copier.wait_for(after)  # None: the caller's current stream (this is the caller's thread)
                     with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
                         submit()
                 except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
