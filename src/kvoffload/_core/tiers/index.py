@@ -718,14 +718,18 @@ class BlockIndex:
                 e.tier = DISK
             disk.take_in_order(entries[:direct])
             to_spill: list[tuple[Entry, int]] = []
+            spilling = t == HOST and disk.size > 0  # without a disk tier every victim is evicted
+            if spilling:  # disk room for the victims, made at once; those left without a disk slot are evicted
+                short = sum(1 for v in victims if v.tier == t) - len(disk.free)
+                if short > 0:
+                    self._make_disk_room(short, changed)
             for v in victims:
                 if v.tier != t:  # gone back to its clean disk copy
                     continue
-                disk_slot = self._disk_slot_for_spill(v, changed) if t == HOST else None
-                if disk_slot is None:
-                    self._evict(v)
+                if spilling and disk.free:
+                    to_spill.append((v, disk.take(v)))
                 else:
-                    to_spill.append((v, disk_slot))
+                    self._evict(v)
             # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
             n_free = len(entries) - direct - len(to_spill)
             tier.take_in_order(entries[direct : direct + n_free])
@@ -882,12 +886,6 @@ class BlockIndex:
                 self._evict(e)
                 left -= 1
         return not left
-
-    def _disk_slot_for_spill(self, victim: Entry, changed: list[Entry]) -> int | None:
-        disk = self._tiers[DISK]
-        if not disk.free and not self._make_disk_room(1, changed):
-            return None
-        return disk.take(victim)
 
     def _demote(self, e: Entry) -> None:
         """A READY host entry with a clean disk copy goes back to it: disk-resident (most recently used
