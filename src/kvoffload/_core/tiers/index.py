@@ -140,7 +140,7 @@ class Spill:
     ended: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pin:
     """A load's or a lease's hold on one entry's copy: the slot it reads (or will)."""
 
@@ -1008,11 +1008,13 @@ class BlockIndex:
         """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
         visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`)."""
         held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
-        missing = [k for k, e, h in zip(keys, found, held) if not h and not self._visible(e)]
+        visible = _VISIBLE
+        missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
         if missing:
             return pins, missing
         moved: list[tuple[Pin, Pin]] = []
-        host, ready = self._tiers[HOST], State.READY
+        tiers = self._tiers
+        host, ready = tiers[HOST], State.READY
         host_free, host_readers = host.free, host.readers
         try:
             for i, e in enumerate(found):
@@ -1025,7 +1027,7 @@ class BlockIndex:
                     p.held, old.held = True, False  # one step: the hold passes from the lease to the load
                 else:
                     assert e is not None
-                    tier = self._tiers[e.tier]
+                    tier = tiers[e.tier]
                     p = Pin(e, e.tier, e.slot)
                     pins.append(p)
                     tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
