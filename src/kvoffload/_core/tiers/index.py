@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -94,6 +93,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TypeVar
 
+from ..base.convoy_free_lock import ConvoyFreeLock
 from ..base.errors import CapacityError, MissingKeysError
 
 __all__ = ["BlockIndex", "Evicted", "IndexCounts", "Reservation", "Spill", "Pin"]
@@ -374,7 +374,7 @@ class BlockIndex:
     """
 
     def __init__(self, host_slots: int, disk_slots: int, promote: bool = False) -> None:
-        self._lock = threading.Lock()
+        self._lock = ConvoyFreeLock()  # callers' threads and the workers' share it, all running Python
         self._promote = promote and host_slots > 0 and disk_slots > 0
         self._entries: dict[Hashable, Entry] = {}
         """Index key -> entry, for every entry but GONE ones."""

@@ -112,7 +112,8 @@ class StorePlan:
         self.finished = True
         for s in self.reservation.spills:
             self.index.spill_failed(s)  # no-op for spills that ended
-        self.index.abort(self.reservation.entries[self.published :])
+        if self.published < len(self.reservation.entries):  # the usual store published them all: no lock to take
+            self.index.abort(self.reservation.entries[self.published :])
 
 
 class LoadPlan:
