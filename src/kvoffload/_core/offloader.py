@@ -340,7 +340,8 @@ class Offloader:
         waits until the call has returned (the lock is held only to count it, never across its work).
         The caller's ``finally``, which covers this call too, uncounts it with
         ``self._calls.pop(token, None)`` (one C call: an interrupt cannot land between the call's end
-        and the uncounting), then :meth:`_wake_close` if it was the last."""
+        and the uncounting), then :meth:`_wake_close` if it was the last and close() has begun (it sets
+        ``_closed`` under the lock before it looks at the count)."""
         self._check_process()
         with self._lock:
             storage = self._running_storage()
@@ -370,7 +371,7 @@ class Offloader:
         try:
             return self._call_started(token).store(checked, after)
         finally:
-            if self._calls.pop(token, None) is not None and not self._calls:
+            if self._calls.pop(token, None) is not None and not self._calls and self._closed:
                 self._wake_close()
 
     def load(
@@ -408,7 +409,7 @@ class Offloader:
                 raise ValueError("the lease is from another offloader")
             transfer = storage.load(checked, after, per_tensor, expedited, lease._taking(checked))
         finally:
-            if self._calls.pop(token, None) is not None and not self._calls:
+            if self._calls.pop(token, None) is not None and not self._calls and self._closed:
                 self._wake_close()
         lease.release()  # its keys not loaded
         return transfer
