@@ -13,6 +13,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d) && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PYTHONPATH
 fi
 [ -f .whl/vllm_py.zip ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/vllm_py.zip
+# The compiled modules, built in place (as `pip install -e .` does) for the tests run from src/.
+python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/machine.txt"
 rc=0
