@@ -1176,7 +1176,8 @@ class BlockIndex:
                         tier = self._tiers[p.tier]
                         tier.readers[p.slot] -= 1  # these three in one step: no call, no jump between them
                         p.entry.loads -= 1
-                        if not tier.readers[p.slot]:
+                        # the usual last reader: the slot stays its entry's and nobody waits for it
+                        if not tier.readers[p.slot] and (tier.owner[p.slot] is None or self._unread_waiters):
                             self._last_reader_gone(p.tier, p.slot, ready)
                     slot = p.promote_slot
                     if slot >= 0:
