@@ -59,9 +59,10 @@ def test_threads_updating_shared_state_under_it_lose_no_update(switch_interval) 
 
 @pytest.mark.parametrize("kind", [ConvoyFreeLock, threading.Lock])
 def test_a_waiting_thread_never_holds_the_lock_while_it_waits_for_the_gil(kind, switch_interval) -> None:
-    """The holder releases the lock and keeps running Python (the GIL held, no switch for 10 s):
-    a waiting thread cannot have taken it meanwhile. ``threading.Lock`` is the counter-example:
-    its waiter takes the lock first, then waits for the GIL."""
+    """The holder releases the lock and keeps running Python (the GIL held, no switch for 10 s),
+    taking and releasing it again and again for half a second: a waiting thread never takes it
+    meanwhile. ``threading.Lock`` is the counter-example: its waiter takes the lock as soon as it is
+    free, then waits for the GIL."""
     switch_interval(10.0)  # before any thread waits: the GIL changes hands only where a thread gives it up
     lock = kind()
     lock.acquire()
@@ -77,12 +78,13 @@ def test_a_waiting_thread_never_holds_the_lock_while_it_waits_for_the_gil(kind, 
     waiting.wait()
     time.sleep(0.05)  # the waiter is inside acquire(), the GIL released
     lock.release()
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:  # Python only: this thread keeps the GIL
-        pass
-    free_here = lock.acquire(False)  # (threading.Lock's locked() says False until its waiter has the GIL too)
-    if free_here:
+    taken_without_the_gil = False
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:  # Python only: this thread keeps the GIL all along
+        if not lock.acquire(False):  # (threading.Lock's locked() says False until its waiter has the GIL too)
+            taken_without_the_gil = True
+            break
         lock.release()
     t.join()  # gives the GIL away: the waiter takes the lock now
     assert took.is_set()
-    assert free_here == (kind is ConvoyFreeLock)
+    assert taken_without_the_gil == (kind is threading.Lock)
