@@ -54,6 +54,22 @@ def faults():
 
 
 @pytest.fixture
+def host_allocations(monkeypatch) -> list[int]:
+    """The size of every host buffer allocated from here on (host slab, bounce buffers), in order."""
+    from kvoffload._core.tiers import hostmem
+
+    allocated: list[int] = []
+    real = hostmem.HostBuffer.__init__
+
+    def init(self, nbytes, *, pin):
+        allocated.append(nbytes)
+        real(self, nbytes, pin=pin)
+
+    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
+    return allocated
+
+
+@pytest.fixture
 def standin_driver(monkeypatch) -> StandInDriver:
     """A :class:`StandInDriver` behind every ``DriverEvent`` made during the test."""
     from kvoffload._core.cuda import driver as cuda_driver

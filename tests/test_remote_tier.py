@@ -529,18 +529,9 @@ def test_remote_write_modes_are_checked():
 
 
 @pytest.mark.parametrize("write, disk, staged", [("through", True, True), ("through", False, False), ("evict", False, True), ("none", True, False)])
-def test_the_remote_staging_buffer_is_in_the_footprint(monkeypatch, tmp_path, write, disk, staged):
-    from kvoffload._core.tiers import hostmem
+def test_the_remote_staging_buffer_is_in_the_footprint(host_allocations, tmp_path, write, disk, staged):
     from kvoffload._core.runtime import Footprint
 
-    allocated: list[int] = []
-    real = hostmem.HostBuffer.__init__
-
-    def init(self, nbytes, *, pin):
-        allocated.append(nbytes)
-        real(self, nbytes, pin=pin)
-
-    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
     slot = slot_bytes()
     tiers = {"disk_path": str(tmp_path / "kv"), "disk_blocks": 4} if disk else {}
     # no server needed: start() does not connect
@@ -549,4 +540,4 @@ def test_the_remote_staging_buffer_is_in_the_footprint(monkeypatch, tmp_path, wr
     ) as off:
         need = Footprint.of(off.layout, off.options, off.options.tier_slots(slot))
         assert need.remote_staging == (2 * slot if staged else 0)
-        assert sum(allocated) == need.host_slab + need.disk_bounce + need.remote_staging
+        assert sum(host_allocations) == need.host_slab + need.disk_bounce + need.remote_staging

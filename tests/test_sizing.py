@@ -46,20 +46,6 @@ def nothing_allocated(monkeypatch):
     return created
 
 
-@pytest.fixture
-def host_allocations(monkeypatch) -> list[int]:
-    """The size of every host buffer allocated from here on (host slab, bounce buffers), in order."""
-    allocated: list[int] = []
-    real = hostmem.HostBuffer.__init__
-
-    def init(self, nbytes, *, pin):
-        allocated.append(nbytes)
-        real(self, nbytes, pin=pin)
-
-    monkeypatch.setattr(hostmem.HostBuffer, "__init__", init)
-    return allocated
-
-
 def _with_disk_path(tmp_path, kwargs: dict) -> dict:
     """``kwargs`` with a ``disk_path`` if they size the disk tier."""
     return {**kwargs, "disk_path": tmp_path / "kv"} if {"disk_blocks", "disk_bytes"} & set(kwargs) else kwargs
