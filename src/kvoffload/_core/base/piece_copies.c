@@ -575,6 +575,26 @@ done:
     return out;
 }
 
+/* The one argument of wait() / wait_for_stream(), a handle; 0 with an exception set if bad or uninitialised. */
+static int handle_for(ChunkCopies *self, PyObject *arg, uint64_t *out, const char *what)
+{
+    if (as_u64(arg, out, what) < 0) {
+        return 0;
+    }
+    if (self->pieces_owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+/* Both streams wait for `event`; 1 if a wait failed (reported in `o`). */
+static int both_wait(ChunkCopies *self, void *event, Outcome *o)
+{
+    return failed(o, self->wait(self->kernel_stream, event, 0), CALL_WAIT)
+        || failed(o, self->wait(self->copy_stream, event, 0), CALL_WAIT);
+}
+
 PyDoc_STRVAR(chunk_copies_wait_doc,
 "wait(event, /) -> None | (error, call, 0)\n\n"
 "Make both streams wait for ``event`` (a raw CUevent): every later chunk runs after it.");
@@ -582,17 +602,11 @@ PyDoc_STRVAR(chunk_copies_wait_doc,
 static PyObject *chunk_copies_wait(ChunkCopies *self, PyObject *event_arg)
 {
     uint64_t event;
-    if (as_u64(event_arg, &event, "event") < 0) {
-        return NULL;
-    }
-    if (self->pieces_owner == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+    if (!handle_for(self, event_arg, &event, "event")) {
         return NULL;
     }
     Outcome o = {0, 0, 0};
-    if (!failed(&o, self->wait(self->kernel_stream, (void *)(uintptr_t)event, 0), CALL_WAIT)) {
-        failed(&o, self->wait(self->copy_stream, (void *)(uintptr_t)event, 0), CALL_WAIT);
-    }
+    both_wait(self, (void *)(uintptr_t)event, &o);
     return outcome_object(&o);
 }
 
@@ -604,18 +618,13 @@ PyDoc_STRVAR(chunk_copies_wait_for_stream_doc,
 static PyObject *chunk_copies_wait_for_stream(ChunkCopies *self, PyObject *stream_arg)
 {
     uint64_t stream;
-    if (as_u64(stream_arg, &stream, "stream") < 0) {
-        return NULL;
-    }
-    if (self->pieces_owner == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
+    if (!handle_for(self, stream_arg, &stream, "stream")) {
         return NULL;
     }
     /* `between` serves here too: a wait uses the event's state when it is enqueued, and calls come one at a time */
     Outcome o = {0, 0, 0};
-    if (!failed(&o, self->record(self->between, (void *)(uintptr_t)stream), CALL_RECORD)
-        && !failed(&o, self->wait(self->kernel_stream, self->between, 0), CALL_WAIT)) {
-        failed(&o, self->wait(self->copy_stream, self->between, 0), CALL_WAIT);
+    if (!failed(&o, self->record(self->between, (void *)(uintptr_t)stream), CALL_RECORD)) {
+        both_wait(self, self->between, &o);
     }
     return outcome_object(&o);
 }
