@@ -14,6 +14,7 @@ agreement to a tolerance.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 from typing import Any
 
@@ -228,6 +229,7 @@ def model_8b():
     pc.deterministic_attention()  # see its docstring: else two never-offloaded caches disagree too
     yield model
     del model
+    gc.collect()  # a module tree with reference cycles is freed only by the collector: here, not in a later test
     torch.cuda.empty_cache()
 
 
