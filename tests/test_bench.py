@@ -48,6 +48,8 @@ def test_bench_command_small(tmp_path):
         assert rows[name]["ceiling"] > 0 and rows[name]["baseline"] > 0, name
     if redis_unavailable() is None:
         assert rows["TTFT 64 tokens, remote"]["ceiling"] == rows["TTFT 64 tokens, recompute"]["kvoffload"]
+        # the remote loads into host slots and through disk slots, beside the same redis-py GETs
+        assert rows["remote load via disk slots (no host)"]["ceiling"] == rows["remote load (alookup + load)"]["ceiling"]
     for r in data["rows"]:
         assert r["kvoffload"] > 0
     assert list(tmp_path.iterdir()) == [out]  # the bench removed its disk files

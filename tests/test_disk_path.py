@@ -6,7 +6,7 @@ or removed, and a process ended any way (SIGTERM, SIGKILL included) leaves no fi
 With persistence (``persist=True``) the file at disk_path is the cache: nothing there, it creates
 its own private file. A file another live offloader holds, in this process or another, is refused
 and left alone; so are a symlink (never followed), a fifo (without blocking on it), a socket, a
-device and a directory. The file is locked from its creation, and a start that fails removes only a
+device. A directory holds the file (one per cache identity when persistent). The file is locked from its creation, and a start that fails removes only a
 file it created.
 """
 
@@ -113,12 +113,21 @@ def test_unix_socket_is_refused(tmp_path):
         assert identity(path) == before
 
 
-def test_directory_is_refused(tmp_path):
+@pytest.mark.parametrize("persist", [True, False], ids=["persistent", "not-persistent"])
+def test_a_directory_holds_the_file_and_nothing_else_in_it_is_touched(tmp_path, persist):
     path = tmp_path / "kv"
     path.mkdir()
     (path / "inside").write_bytes(b"keep")
-    assert_refused(path, "directory")
-    assert path.is_dir() and (path / "inside").read_bytes() == b"keep"
+    caches = random_caches(8, seed=11)
+    with open_disk(path, caches, persist=persist) as off:
+        round_trip(off, caches)
+        name = off.disk_file
+    if persist:
+        assert os.path.dirname(name) == str(path) and os.path.basename(name).startswith("kvoffload-")
+        assert sorted(os.listdir(path)) == sorted(["inside", os.path.basename(name), os.path.basename(name) + ".checkpoint"])
+    else:
+        assert name is None and os.listdir(path) == ["inside"]
+    assert (path / "inside").read_bytes() == b"keep" and os.listdir(tmp_path) == ["kv"]
 
 
 def test_device_is_refused(tmp_path):

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
+import sys
 
 import pytest
 
 import kvoffload
 from support.caches import block_bytes, random_caches
 from support.interrupts import interrupter
-from support.waiting import wait_for_transfers_to_end
+from support.waiting import spin_until, wait_for_transfers_to_end
 
 NUM_BLOCKS = 64
 HOST = 8
@@ -204,6 +206,49 @@ def test_a_lease_of_another_offloader_is_refused(make_offloader, caches):
             one.load({"a": 30}, lease=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         one.lookup(["a"], hold=True, hold_s=-1)
+
+
+def test_an_infinite_hold_outlives_a_finite_one_until_released(make_offloader, caches):
+    """``hold_s=inf``: no deadline. A finite hold expires beside it, with nobody calling the offloader;
+    the infinite one stays through stores that turn the host tier over, arms no timer, leaves nothing
+    in the index's deadline heap, and ends by ``release()`` (or garbage collection)."""
+    off = make_offloader(caches, host_blocks=HOST)
+    off.store({"forever": 1, "brief": 2}).result(10)
+    forever = off.lookup(["forever"], hold=True, hold_s=math.inf)
+    brief = off.lookup(["brief"], hold=True, hold_s=0.05)
+    assert (forever.count, brief.count, off.stats().pinned) == (1, 1, 2)
+    rt = off._runtime
+    spin_until(lambda: off.stats().pinned == 1, what="the finite hold's expiry")
+    spin_until(lambda: rt.hold_expiry._handle is None, what="the end of the finite hold's wake-up")  # none armed after it
+    for r in range(2):
+        off.store({(r, i): 10 + i for i in range(HOST - 1)}).result(10)
+    assert "forever" in off and "brief" not in off and off.stats().pinned == 1
+    assert rt.hold_expiry._handle is None and not rt.storage.index._holds
+    forever.release()
+    assert off.stats().pinned == 0
+    off.load({"forever": 40}, lease=forever).result(10)  # released: pinned anew
+    assert block_bytes(caches, 40) == block_bytes(caches, 1)
+    again = off.lookup(["forever"], hold=True, hold_s=float("inf"))
+    assert off.stats().pinned == 1
+    del again
+    gc.collect()
+    assert off.stats().pinned == 0 and not rt.storage.index._holds
+    assert_index_sound(off)
+
+
+def test_hold_s_is_seconds_or_inf_and_other_durations_stay_finite(make_offloader, caches):
+    off = make_offloader(caches, host_blocks=HOST)
+    off.store({"a": 1}).result(10)
+    for bad in (math.nan, -1, -math.inf):
+        with pytest.raises(ValueError, match="hold_s"):
+            off.lookup(["a"], hold=True, hold_s=bad)
+    with pytest.raises(TypeError, match="hold_s"):
+        off.lookup(["a"], hold=True, hold_s="30")  # type: ignore[call-overload]
+    with off.lookup(["a"], hold=True, hold_s=sys.float_info.max):  # finite: a timer far away, no overflow
+        assert off.stats().pinned == 1
+    assert off.stats().pinned == 0
+    with pytest.raises(ValueError, match="timeout"):
+        off.close(timeout=math.inf)  # None is close()'s "no limit"
 
 
 def test_lookup_counts_as_a_use_for_eviction(make_offloader, caches):

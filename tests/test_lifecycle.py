@@ -512,10 +512,8 @@ START_FAILURES = {
     # name: (offloader keyword arguments given tmp_path, expected cause type)
     "missing directory": (lambda tmp: dict(disk_path=tmp / "nope" / "kv", disk_blocks=8), FileNotFoundError),
     "read-only file system": (lambda tmp: dict(disk_path="/proc/kvoffload-test", disk_blocks=8), OSError),
-    # without persistence nothing at disk_path is used, so a directory there is fine: only a persistent tier refuses it
-    "persistent disk path is a directory": (
-        lambda tmp: dict(disk_path=tmp / "dir", disk_blocks=8, persist=True), (OSError, kvoffload.OffloadError),
-    ),
+    # the persistent file this start created goes with it, its checkpoint too
+    "pinning fails, persistent": (lambda tmp: dict(disk_path=tmp / "kv", disk_blocks=8, persist=True), kvoffload.OffloadError),
     "no memory for the host tier": (lambda tmp: dict(host_blocks=(1 << 40) // 4096), (MemoryError, OSError)),
     "pinning fails": (lambda tmp: dict(disk_path=tmp / "kv", disk_blocks=8), kvoffload.OffloadError),
 }
@@ -525,7 +523,7 @@ START_FAILURES = {
 def test_start_failures_raise_start_error_and_leave_nothing(tmp_path, monkeypatch, what):
     kwargs, cause = START_FAILURES[what]
     (tmp_path / "dir").mkdir()
-    if what == "pinning fails":
+    if what.startswith("pinning fails"):
         _fail_second_host_buffer(monkeypatch)
     caches = random_caches(16, seed=9)
     assert slot_bytes(caches) == 4096

@@ -23,7 +23,7 @@ from support.caches import block_bytes, random_caches
 from kvoffload._core.base.cache_identity import decode_key
 from kvoffload._core.base.persistent_format import HEADER_BYTES, FileHeader, SlotHeader
 from kvoffload._core.tiers.persistent_slots import PersistentSlots
-from kvoffload._testing import disk_file_stat
+from kvoffload._testing import check_index, disk_file_location, disk_file_stat
 
 BLOCKS = 64
 SEED = 7
@@ -64,7 +64,11 @@ CHILD = textwrap.dedent("""
                 print(" ".join(keys), flush=True)
             window = []
     print("done", flush=True)
-    sys.stdin.readline()
+    for line in sys.stdin:  # "discard k1 k2 ...": discard, then report; "close": close
+        command, *args = line.split()
+        if command != "discard":
+            break
+        print(f"discarded {off.discard(args)}", flush=True)
     off.close()
 """)
 
@@ -101,6 +105,15 @@ class Child:
                 return True
             self.acknowledged += line.split()
         return True
+
+    def command(self, line: str) -> str:
+        """Send ``line``; the child's answer."""
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        try:
+            return self._lines.get(timeout=60).strip()
+        except queue.Empty:
+            raise AssertionError("the child stopped answering") from None
 
     def finish(self) -> None:
         self.proc.stdin.write("close\n")
@@ -197,6 +210,25 @@ def test_sigkill_mid_checkpoint_keeps_every_finished_entry(tmp_path, which):
         off.close()
 
 
+def test_sigkill_with_a_host_tier_loses_the_finished_stores_only_in_host_memory(tmp_path):
+    path = tmp_path / "kv"
+    # 64 keys through 16 host slots: each window's stores spill the oldest host entries to disk before they
+    # finish, so at the kill k0..k47 are on disk and k48..k63, finished too, only in host memory.
+    with Child(path, host_blocks=16, count=64, env={"CHECKPOINT_S": "0.02"}) as child:
+        assert child.read_until()
+        child.kill()
+        assert child.acknowledged == [f"k{i}" for i in range(64)]
+    off, caches = reopen(path)
+    try:
+        held = stored_keys(off, [f"k{i}" for i in range(64)])
+        assert held == [f"k{i}" for i in range(48)], held  # host memory is not written through to disk
+        assert off.stats().recovered == 48
+        assert_loads_byte_exact(off, caches, held)
+        check_index(off)
+    finally:
+        off.close()
+
+
 def slot_offsets(path) -> dict[str, int]:
     """Where each key's slot (its header page, then its payload) starts in the file, read from the file."""
     data = open(path, "rb").read()
@@ -228,6 +260,57 @@ def store_and_close(path, count, **kw):
     return slot_offsets(path)
 
 
+def store_spilling(path, count, *, host_blocks, disk_blocks, hold=()):
+    """Store ``k0``..``k<count-1>`` one by one through a host tier of ``host_blocks`` (the oldest spill to a disk
+    tier of ``disk_blocks`` as the host tier fills), take a lease on ``hold`` (kept over the close), check the
+    index, close cleanly."""
+    caches = random_caches(BLOCKS, seed=SEED)
+    off = kvoffload.Offloader(caches, host_blocks=host_blocks, disk_path=path, disk_blocks=disk_blocks, persist=True,
+                              fingerprint="model-a").start()
+    try:
+        for i in range(count):
+            off.store({f"k{i}": i % BLOCKS}).result(30)
+        s = off.stats()
+        assert (s.host_ready, s.disk_ready) == (host_blocks, min(disk_blocks, count - host_blocks)), s
+        lease = off.lookup(list(hold), hold=True) if hold else None
+        assert lease is None or lease.count == len(hold)
+        check_index(off)
+    finally:
+        off.close()  # with the lease still held
+
+
+def test_a_clean_close_with_a_full_disk_keeps_the_newest_entries(tmp_path):
+    path = tmp_path / "kv"
+    store_spilling(path, 20, host_blocks=8, disk_blocks=12)  # disk: k0..k11 (full); host only: k12..k19
+    off, caches = reopen(path, disk_blocks=12)
+    try:
+        check_index(off)
+        held = stored_keys(off, [f"k{i}" for i in range(20)])
+        assert held == [f"k{i}" for i in range(8, 20)], held  # the 8 oldest gave their slots to the host entries
+        s = off.stats()
+        assert s.recovered == 12 and s.dropped_at_open == 0
+        assert_loads_byte_exact(off, caches, held)
+        check_index(off)
+    finally:
+        off.close()
+
+
+def test_a_clean_close_with_a_full_disk_never_takes_a_held_slot(tmp_path):
+    path = tmp_path / "kv"
+    # disk: k0..k7 (full), k0 held by a lease over the close; host only: k8..k15. Every disk slot but k0's is
+    # rewritten, with the 7 newest host entries: k8, the oldest of them, finds no slot.
+    store_spilling(path, 16, host_blocks=8, disk_blocks=8, hold=["k0"])
+    off, caches = reopen(path, disk_blocks=8)
+    try:
+        held = stored_keys(off, [f"k{i}" for i in range(16)])
+        assert held == ["k0"] + [f"k{i}" for i in range(9, 16)], held
+        assert off.stats().dropped_at_open == 0
+        assert_loads_byte_exact(off, caches, held)
+        check_index(off)
+    finally:
+        off.close()
+
+
 def test_a_corrupted_header_is_dropped_on_reopen(tmp_path):
     path = tmp_path / "kv"
     offsets = store_and_close(path, 8)
@@ -257,16 +340,44 @@ def test_verify_fails_the_load_of_a_corrupted_payload_and_drops_the_entry(tmp_pa
         off.close()
 
 
-def test_another_model_fingerprint_starts_empty_and_says_why(tmp_path, caplog):
+def test_another_model_fingerprint_is_refused_and_the_file_kept_for_its_own(tmp_path):
     path = tmp_path / "kv"
-    store_and_close(path, 8)
-    with caplog.at_level(logging.WARNING, logger="kvoffload"):
-        off, _ = reopen(path, fingerprint="model-b")
+    store_and_close(path, 48)
+    before = path.read_bytes()
+    with pytest.raises(kvoffload.StartError) as ei:
+        reopen(path, fingerprint="model-b")
+    said = str(ei.value)
+    assert "fingerprint: 'model-b' here, 'model-a' there" in said and "left as it is" in said
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kv", "kv.checkpoint"]
+    off, caches = reopen(path)  # the right fingerprint afterwards finds every entry
     try:
-        assert off.lookup(["k0"]) == 0 and off.stats().recovered == 0
-        assert "fingerprint" in caplog.text and "model-a" in caplog.text
+        keys = [f"k{i}" for i in range(48)]
+        assert off.lookup(keys) == 48 and off.stats().recovered == 48
+        assert_loads_byte_exact(off, caches, keys)
     finally:
         off.close()
+
+
+def test_a_directory_as_disk_path_holds_one_file_per_cache_identity(tmp_path):
+    caches = random_caches(BLOCKS, seed=SEED)
+    for fingerprint in ("model-a", "model-b"):
+        with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path, disk_blocks=64, persist=True, fingerprint=fingerprint) as off:
+            off.store({f"{fingerprint}-{i}": i for i in range(4)}).result(30)
+            assert os.path.dirname(off.disk_file) == str(tmp_path)
+    files = sorted(n for n in os.listdir(tmp_path) if not n.endswith(".checkpoint"))
+    assert len(files) == 2 and all(n.startswith("kvoffload-") and n.endswith(".cache") for n in files)
+    for fingerprint in ("model-a", "model-b"):
+        off, _ = reopen(tmp_path, fingerprint=fingerprint, disk_blocks=64)
+        try:
+            assert off.lookup([f"{fingerprint}-{i}" for i in range(4)]) == 4
+        finally:
+            off.close()
+    # without persistence the file has no name, in that directory (not in its parent)
+    with kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path, disk_blocks=16) as off:
+        assert disk_file_stat(off).st_nlink == 0 and off.disk_file is None
+        assert os.path.dirname(disk_file_location(off)) == str(tmp_path)
+        off.store({"x": 1}).result(30)
+    assert len(os.listdir(tmp_path)) == 4
 
 
 def test_discarded_keys_never_come_back_after_a_restart(tmp_path, monkeypatch):
@@ -329,3 +440,88 @@ def test_the_persistent_file_is_private_and_has_a_name(tmp_path):
         st = disk_file_stat(off)
         assert st.st_nlink == 1 and st.st_mode & 0o777 == 0o600 and os.stat(path).st_ino == st.st_ino
     assert sorted(os.listdir(tmp_path)) == ["kv", "kv.checkpoint"]
+
+
+def test_keys_discarded_just_before_a_crash_never_come_back(tmp_path):
+    path = tmp_path / "kv"
+    with Child(path, count=200) as child:
+        assert child.read_until()
+        discarded = [f"k{i}" for i in range(0, 200, 2)]
+        assert child.command("discard " + " ".join(discarded)) == "discarded 100"
+        child.kill()  # at once: discard() returned, nothing else had time to run
+    off, caches = reopen(path)
+    try:
+        kept = [f"k{i}" for i in range(1, 200, 2)]
+        assert stored_keys(off, discarded) == []
+        assert stored_keys(off, kept) == kept
+        assert_loads_byte_exact(off, caches, kept)
+    finally:
+        off.close()
+
+
+def test_lookup_stats_and_stores_never_wait_for_a_disk_header_write(tmp_path, faults):
+    caches = random_caches(BLOCKS, seed=SEED)
+    with kvoffload.Offloader(caches, host_blocks=32, disk_path=tmp_path / "kv", disk_blocks=64, persist=True) as off:
+        off.store({f"k{i}": i for i in range(40)}).result(30)  # k0-k7 go to disk, the rest to host memory
+        assert off.stats().disk_ready == 8 and off.discard(["k38", "k39"]) == 2  # room in host memory for one more store
+        gate = faults.gate(off, "pwritev")  # holds every disk write: the header voids of the discards below
+        discards = [threading.Thread(target=off.discard, args=([k],)) for k in ("k0", "k1")]
+        for t in discards:
+            t.start()
+        gate.wait_entered()
+        done = threading.Event()
+        seen = []
+
+        def others() -> None:
+            seen.extend([off.lookup(["k5", "k6"]), "k20" in off, off.stats().disk_slots])
+            off.store({"new": 3}).result(30)
+            done.set()
+
+        other = threading.Thread(target=others)
+        other.start()
+        answered = done.wait(10)
+        gate.open()
+        for t in [*discards, other]:
+            t.join(30)
+        assert answered, "lookup(), in, stats() or store() waited for a disk write"
+        assert seen == [2, True, 64]
+        assert off.lookup(["k0"]) == 0 and off.lookup(["k1"]) == 0 and off.lookup(["new"]) == 1
+
+
+def test_a_failed_start_removes_the_persistent_file_it_created_and_keeps_one_it_found(tmp_path, monkeypatch):
+    from kvoffload._core.tiers import disk
+
+    caches = random_caches(BLOCKS, seed=SEED)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no memory for the bounce buffers")
+
+    monkeypatch.setattr(disk, "HostBuffer", no_memory)  # start() fails once the file is open
+    with pytest.raises(kvoffload.StartError, match="bounce"):
+        kvoffload.Offloader(caches, host_blocks=0, disk_path=tmp_path / "new", disk_blocks=16, persist=True).start()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    store_and_close(tmp_path / "kv", 8)
+    before = (tmp_path / "kv").read_bytes(), (tmp_path / "kv.checkpoint").read_bytes()
+    monkeypatch.setattr(disk, "HostBuffer", no_memory)
+    with pytest.raises(kvoffload.StartError):
+        reopen(tmp_path / "kv")
+    monkeypatch.undo()
+    assert ((tmp_path / "kv").read_bytes(), (tmp_path / "kv.checkpoint").read_bytes()) == before
+    off, caches = reopen(tmp_path / "kv")
+    try:
+        assert off.lookup([f"k{i}" for i in range(8)]) == 8
+    finally:
+        off.close()
+
+
+def test_a_disk_tier_on_a_ram_backed_file_system_is_warned_about(caplog):
+    from kvoffload._core.base.file_systems import ram_backed_fs
+
+    if not os.path.isdir("/dev/shm") or ram_backed_fs("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm")
+    caches = random_caches(BLOCKS)
+    with caplog.at_level(logging.WARNING, logger="kvoffload"):
+        with kvoffload.Offloader(caches, host_blocks=0, disk_path="/dev/shm", disk_blocks=4) as off:
+            off.store({"a": 1}).result(30)
+    assert "saves no memory" in caplog.text and "tmpfs" in caplog.text

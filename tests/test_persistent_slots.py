@@ -7,12 +7,14 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 import pytest
 import torch
 
 from kvoffload._core.base.cache_identity import CacheIdentity
 from kvoffload._core.base.diskfile import DiskFile
+from kvoffload._core.base.errors import OffloadError
 from kvoffload._core.base.layout import BlockLayout
 from kvoffload._core.base.persistent_format import HEADER_BYTES, Checkpoint, FileHeader
 from kvoffload._core.tiers.persistent_slots import PersistentSlots
@@ -35,7 +37,12 @@ class Opened:
         nbytes = PersistentSlots.file_bytes_of(slots, self.layout.slot_bytes, self.identity)
         self.file = DiskFile(path, nbytes, persistent=True)
         self.slots = PersistentSlots(self.file, slots, self.layout.slot_bytes, self.layout.block_bytes, self.identity, verify=verify)
-        self.recovered = self.slots.open(self.pool)
+        try:
+            self.recovered = self.slots.open(self.pool)
+        except BaseException:
+            self.pool.shutdown()
+            self.file.close()
+            raise
         self.bad: list[int] = []
         self.slots.on_bad_slot = self.bad.append
 
@@ -173,21 +180,38 @@ def test_discarded_slots_never_come_back(tmp_path):
     g.close()
 
 
-def test_another_identity_starts_the_file_empty_saying_why(tmp_path, caplog):
+def test_another_identity_is_refused_and_the_file_left_as_it_was(tmp_path):
     path = tmp_path / "kv"
     f = Opened(path)
     f.write(random_rows(1, f.layout.slot_bytes), [0], [b"a"])
     f.close(entries=[(b"a", 0)])
-    g = Opened(path, fingerprint="model-b")
-    assert g.recovered.entries == [] and "fingerprint" in g.recovered.reason and "model-a" in g.recovered.reason
-    assert "fingerprint" in caplog.text
-    g.close(entries=[])
-    h = Opened(path)  # the file now belongs to model-b: model-a's old slot stays invisible
-    assert h.recovered.entries == [] and "fingerprint" in h.recovered.reason
+    before = path.read_bytes()
+    for kw, said in (({"fingerprint": "model-b"}, "fingerprint: 'model-b' here, 'model-a' there"), ({"width": 4200}, "slots of")):
+        with pytest.raises(OffloadError, match="another cache identity") as ei:
+            Opened(path, **kw)
+        assert said in str(ei.value) and "left as it is" in str(ei.value)
+        assert path.read_bytes() == before
+    g = Opened(path)  # model-a finds its entry again
+    assert [k for k, _ in g.recovered.entries] == [b"a"]
+    g.close()
+
+
+def test_a_file_that_is_not_kvoffloads_is_refused_and_one_never_initialised_is_used(tmp_path):
+    path = tmp_path / "kv"
+    path.write_bytes(b"precious data, not a cache" * 1000)
+    os.chmod(path, 0o600)
+    before = path.read_bytes()
+    with pytest.raises(OffloadError, match="not a persistent disk file"):
+        Opened(path)
+    assert path.read_bytes() == before
+    path.write_bytes(bytes(3 * HEADER_BYTES))  # as a start killed before it wrote the file header leaves it
+    g = Opened(path)
+    assert g.recovered.entries == [] and "never initialised" in g.recovered.reason
+    g.write(random_rows(1, g.layout.slot_bytes), [0], [b"a"])
+    g.close(entries=[(b"a", 0)])
+    h = Opened(path)
+    assert [k for k, _ in h.recovered.entries] == [b"a"]
     h.close()
-    k = Opened(path, width=4200)
-    assert k.recovered.entries == [] and "slots are" in k.recovered.reason
-    k.close()
 
 
 def test_a_damaged_file_header_or_checkpoint_is_never_trusted(tmp_path, caplog):
@@ -259,3 +283,150 @@ def test_formats_refuse_foreign_bytes():
         FileHeader.parse(b"\0" * 4096)
     with pytest.raises(ValueError):
         Checkpoint.parse(b"KVCKPT\x00\x01" + b"\0" * 64)
+
+
+def crash(f: Opened) -> None:
+    """As a killed process leaves the file: no final checkpoint, nothing more written."""
+    f.pool.shutdown()
+    os.close(f.file.fd)
+    f.file.fd = -1
+
+
+def test_a_cache_identity_of_any_size_reopens(tmp_path, caplog):
+    # 80 layers with one tensor per K and V under long names: a file header of several pages
+    caches = {f"model.language_model.layers.{i}.self_attn.attn.{kv}_cache": torch.zeros(4, 64, dtype=torch.uint8)
+              for i in range(80) for kv in "kv"}
+    layout = BlockLayout.of(caches)
+    identity = CacheIdentity.of(caches, layout, "a-long-fingerprint@" + "0" * 64)
+    assert FileHeader(layout.slot_bytes, SLOTS, b"\0" * 16, identity.digest, identity.to_json()).data_offset > 2 * HEADER_BYTES
+    path = tmp_path / "kv"
+    for round_ in range(2):
+        pool = ThreadPoolExecutor(2)
+        file = DiskFile(path, PersistentSlots.file_bytes_of(SLOTS, layout.slot_bytes, identity), persistent=True)
+        slots = PersistentSlots(file, SLOTS, layout.slot_bytes, layout.block_bytes, identity, verify=False)
+        found = slots.open(pool)
+        if round_ == 0:
+            for call in slots.write_calls(list(random_rows(1, layout.slot_bytes)), [3], [b"a"], 1 << 20):
+                call()
+            slots.write_checkpoint([(b"a", 3)], clean=True)
+        else:
+            assert found.entries == [(b"a", 3)] and found.reason == ""
+        pool.shutdown()
+        file.close()
+    assert "damaged" not in caplog.text
+
+
+def test_an_older_copy_of_a_key_never_comes_back_once_the_newer_one_is_discarded(tmp_path):
+    path = tmp_path / "kv"
+    f = Opened(path)
+    rows = random_rows(2, f.layout.slot_bytes, seed=11)
+    f.write(rows[:1], [0], [b"a"])  # the first version, whose void a crash lost
+    f.write(rows[1:], [1], [b"a"])  # the second, in another slot
+    crash(f)
+    g = Opened(path)
+    assert g.recovered.entries == [(b"a", 1)]
+    g.slots.forget(1)  # a clean discard of the key, then a clean close
+    g.slots.write_tombstones_now()
+    g.close(entries=[])
+    h = Opened(path)
+    assert h.recovered.entries == [], "the first version came back"
+    h.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_slot_image_older_than_its_checkpoint_record_is_never_served(tmp_path, verify):
+    path = tmp_path / "kv"
+    f = Opened(path)
+    rows = random_rows(2, f.layout.slot_bytes, seed=12)
+    f.write(rows[:1], [0], [b"a"])
+    image = f.file.read_bytes(f.slots.offset(0), f.slots.stride)
+    f.write(rows[1:], [0], [b"a"])  # rewritten: the checkpoint records this write
+    f.close(entries=[(b"a", 0)])
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, image, f.slots.offset(0))  # the write lost: the older image is what the disk holds
+    os.close(fd)
+    g = Opened(path, verify=verify)
+    assert g.recovered.entries == [] and g.recovered.dropped == 1
+    g.close(entries=[])
+    h = Opened(path)  # voided at the reopen: it does not come back later either
+    assert h.recovered.entries == [] and h.recovered.dropped == 0
+    h.close()
+
+
+def test_a_truncated_file_drops_the_slots_past_the_cut_and_serves_no_zeros(tmp_path, caplog):
+    path = tmp_path / "kv"
+    f = Opened(path)
+    rows = random_rows(3, f.layout.slot_bytes, seed=13)
+    f.write(rows, [0, 1, 2], [b"a", b"b", b"c"])
+    f.close(entries=[(b"a", 0), (b"b", 1), (b"c", 2)])
+    os.truncate(path, f.slots.offset(2) + HEADER_BYTES + 1000)  # inside c's payload
+    g = Opened(path)
+    assert g.recovered.entries == [(b"a", 0), (b"b", 1)] and g.recovered.dropped == 1
+    assert "shorter than" in caplog.text
+    bl = g.layout.block_bytes
+    assert np.array_equal(g.read([0, 1])[:, :bl], rows[:2, :bl])
+    assert os.stat(path).st_size == g.slots.file_bytes
+    g.close(entries=[(b"a", 0), (b"b", 1)])
+    h = Opened(path)
+    assert h.recovered.entries == [(b"a", 0), (b"b", 1)] and h.recovered.dropped == 0
+    h.close()
+
+
+def test_the_process_that_loses_the_race_to_create_a_file_leaves_the_winners_file_alone(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    layout, identity = layout_and_identity()
+    nbytes = PersistentSlots.file_bytes_of(SLOTS, layout.slot_bytes, identity)
+    real_open = os.open
+    winner: list[DiskFile] = []
+
+    def open_then_lose_the_lock(name, flags, *args):
+        fd = real_open(name, flags, *args)
+        if os.fspath(name) == str(path) and flags & os.O_CREAT and not winner:
+            # another process opens the new file and locks it before this one can
+            monkeypatch.setattr(os, "open", real_open)
+            winner.append(DiskFile(path, nbytes, persistent=True))
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_lose_the_lock)
+    with pytest.raises(OffloadError, match="in use by another"):
+        DiskFile(path, nbytes, persistent=True)
+    monkeypatch.setattr(os, "open", real_open)
+    try:
+        assert winner and os.stat(path).st_ino == os.fstat(winner[0].fd).st_ino, "the loser removed the winner's file"
+    finally:
+        for w in winner:
+            w.close()
+    assert os.path.exists(path)
+
+
+def test_a_checkpoint_whose_rename_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "kv"
+    f = Opened(path)
+    f.write(random_rows(1, f.layout.slot_bytes), [0], [b"a"])
+
+    def refuse(src, dst):
+        raise OSError(5, "rename refused")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    for _ in range(3):
+        with pytest.raises(OSError, match="rename refused"):
+            f.slots.write_checkpoint([(b"a", 0)])
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["kv"]
+    f.close(entries=[(b"a", 0)])
+
+
+def test_a_checkpoint_claiming_more_records_than_it_holds_is_ignored(tmp_path, caplog):
+    path = tmp_path / "kv"
+    f = Opened(path)
+    f.write(random_rows(2, f.layout.slot_bytes, seed=14), [0, 1], [b"a", b"b"])
+    f.close(entries=[(b"a", 0), (b"b", 1)])
+    ckpt = str(path) + ".checkpoint"
+    data = bytearray(open(ckpt, "rb").read()[:-4])
+    data[8 + 16 + 8 : 8 + 16 + 16] = (10**12).to_bytes(8, "little")  # the record count
+    open(ckpt, "wb").write(bytes(data) + crc32c.crc32c(bytes(data)).to_bytes(4, "little"))
+    with pytest.raises(ValueError, match="records"):
+        Checkpoint.parse(open(ckpt, "rb").read())
+    g = Opened(path)  # the checkpoint is ignored: each slot's own checksum vouches for it
+    assert sorted(k for k, _ in g.recovered.entries) == [b"a", b"b"] and "ignoring the checkpoint" in caplog.text
+    g.close()

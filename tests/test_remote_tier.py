@@ -257,6 +257,42 @@ def test_fingerprint_needs_persist_or_remote():
     kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, fingerprint="m", remote="redis://127.0.0.1:1/0")
 
 
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://x", "scheme 'http'"),
+    ("redis-cluster://h:7000", "scheme 'redis-cluster'"),
+    ("h:6379", "scheme 'h'"),
+    ("redis://h:port/0", "Port could not be cast"),
+    ("redis://h:99999/0", "Port out of range"),
+    ("redis://h/0?db=zero", "'db'"),
+    ("redis://h/0?socket_timeout=soon", "'socket_timeout'"),
+    ("redis+cluster://h:7000/1", "'db' must be 0"),
+    ("redis://[::1/0", "IPv6"),
+    ("http://user:hunter2@h/0", "scheme 'http'"),
+    ("redis://user:hunter2@h:port/0", "Port"),
+])
+def test_a_remote_url_the_store_cannot_use_is_refused_at_construction(tmp_path, url, why):
+    """Before the persistent disk file is created, not at start(); without connecting to anything."""
+    with pytest.raises(ValueError) as e:
+        kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, disk_path=tmp_path / "kv", disk_blocks=BLOCKS,
+                            persist=True, remote=url)
+    message = str(e.value)
+    assert message.startswith("remote=") and why in message and all(s in message for s in SCHEMES), message
+    assert "hunter2" not in message
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:1/0", "REDIS://127.0.0.1:1", "rediss://h:6380/2", "unix:///tmp/no-such.sock?db=3",
+    "redis+cluster://127.0.0.1:1", "rediss+cluster://u:p@h:7000/0", "redis://h/0?socket_timeout=0.5",
+])
+def test_remote_urls_the_store_takes_are_accepted_without_connecting(url):
+    off = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=url)
+    assert off.options.remote == url
+
+
 @pytest.mark.asyncio
 async def test_a_remote_load_is_cancellable_and_gives_its_slots_back(server):
     keys = [f"x{i}" for i in range(4)]
@@ -363,7 +399,7 @@ async def test_remote_hits_load_into_a_gpu_cache(server, tmp_path, tiers):
     keys = [f"gpu{i}" for i in range(8)]
     store_and_close(server.url, keys)  # written from a CPU cache of the same geometry
     sizes = {"host_blocks": BLOCKS} if tiers == "host" else {"host_blocks": 0, "disk_path": str(tmp_path / "kv"), "disk_blocks": BLOCKS}
-    # disk-only: fetched into the load bounce buffer, written to disk and copied to the GPU at once
+    # disk-only: fetched into the load bounce buffer and written to disk, then copied to the GPU (three chunks)
     off = kvoffload.Offloader(random_caches(BLOCKS, device="cuda", seed=99), remote=server.url, chunk_bytes=3 * slot_bytes(), **sizes).start()
     try:
         assert await off.alookup(keys) == 8
@@ -465,6 +501,99 @@ async def test_remote_hits_go_to_disk_slots_when_every_host_slot_is_held(server,
         assert off.lookup(keys) == 4 and off.lookup(local) == BLOCKS
     finally:
         off.close()
+
+
+def poison(off: kvoffload.Offloader) -> dict[int, bytes]:
+    """Fill every cache block with a pattern of its own (block b: bytes ``0x5A ^ b``); its bytes by block."""
+    for b in range(BLOCKS):
+        for t in off._caches.values():
+            t[b].view(-1).view(torch.uint8).fill_(0x5A ^ b)
+    return {b: block_bytes(off._caches, b) for b in range(BLOCKS)}
+
+
+def through_disk_slots(url: str, tmp_path, tiers: str) -> tuple[kvoffload.Offloader, int]:
+    """An offloader whose remote hits go to disk slots, chunks of three blocks: disk-only (also
+    persistent), every host slot held (by the test), or four host slots two of which are held (the
+    first keys of a load to disk slots, its last two to host slots); and how many keys to load."""
+    kw: dict = {"disk_path": str(tmp_path / "r.kv"), "disk_blocks": BLOCKS, "remote": url, "remote_write": "none", "chunk_bytes": 3 * slot_bytes()}
+    host = {"disk-only": 0, "persistent": 0, "host-held": BLOCKS, "mixed": 4}[tiers]
+    if tiers == "persistent":
+        kw["persist"] = True
+    return kvoffload.Offloader(random_caches(BLOCKS, seed=99), host_blocks=host, **kw).start(), 6 if tiers == "mixed" else 10
+
+
+@pytest.mark.parametrize("spoil", ["gone", "bad-value"])
+@pytest.mark.parametrize("tiers", ["disk-only", "persistent", "host-held", "mixed"])
+@pytest.mark.asyncio
+async def test_a_later_chunk_failing_a_load_through_disk_slots_writes_no_cache_block(server, tmp_path, tiers, spoil):
+    from kvoffload._core.base.cache_identity import encode_key
+
+    store_and_close(server.url, [f"k{i}" for i in range(10)])
+    off, n = through_disk_slots(server.url, tmp_path, tiers)
+    keys = [f"k{i}" for i in range(n)]
+    bad = n - 1 if tiers == "mixed" else 7  # of a chunk after the first two (mixed: of the part to host slots)
+    try:
+        held = {"host-held": BLOCKS, "mixed": 2}.get(tiers, 0)
+        if held:
+            off.store({f"l{i}": i for i in range(held)}).result(10)
+        with off.lookup([f"l{i}" for i in range(held)], hold=True):
+            before = poison(off)
+            assert await off.alookup(keys) == n
+            name = off._runtime.remote.store.name_of(encode_key(keys[bad]))
+            if spoil == "gone":
+                assert server.command("DEL", name) == 1
+            else:  # another key's value under its name
+                server.command("SET", name, server.command("GET", off._runtime.remote.store.name_of(encode_key(keys[0]))))
+            with pytest.raises(TransferError):
+                await off.load({k: i for i, k in enumerate(keys)})
+            assert {b: block_bytes(off._caches, b) for b in range(BLOCKS)} == before  # no block written
+            assert [off.lookup([k]) for k in keys] == [0] * n  # nothing published
+            s = off.stats()
+            assert (s.pinned, s.pending, s.in_flight, s.failed, s.disk_free) == (held, 0, 0, 1, BLOCKS)  # pinned: the lease's
+            assert s.host_free == {"mixed": 2}.get(tiers, 0) and s.ready == held
+            assert (s.remote_misses, s.remote_bad_values) == (1, 1 if spoil == "bad-value" else 0)
+            good = [k for k in keys if k != keys[bad]]
+            await off.load({k: i for i, k in enumerate(good)})  # the others still load, byte-exact
+            sources = [int(k[1:]) for k in good]
+            assert all(same_block(off, i, written_bytes(), src) for i, src in enumerate(sources))
+            assert all(block_bytes(off._caches, b) == before[b] for b in range(len(good), BLOCKS))
+            assert off.lookup(good) == len(good) and off.stats().pinned == held
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_a_load_through_disk_slots_cancelled_after_its_first_chunk_writes_no_cache_block(server, tmp_path):
+    from kvoffload._core.base.cache_identity import encode_key
+
+    keys = [f"c{i}" for i in range(10)]
+    store_and_close(server.url, keys)
+    proxy = await TcpProxy(server.port).start()
+    off, _ = through_disk_slots(proxy.url, tmp_path, "disk-only")
+    try:
+        before = poison(off)
+        assert await off.alookup(keys) == len(keys)
+        value = int(server.command("STRLEN", off._runtime.remote.store.name_of(encode_key(keys[0]))))
+        proxy.hold_replies_after(3 * value + value // 2)  # the first chunk's three values pass, the second's are held
+        load = off.load({k: i for i, k in enumerate(keys)})
+        await proxy.holding.wait()
+        assert load.cancel()
+        with pytest.raises(kvoffload.TransferCancelled):
+            await load
+        proxy.release()
+        assert {b: block_bytes(off._caches, b) for b in range(BLOCKS)} == before
+        s = off.stats()
+        assert (s.disk_free, s.pending, s.pinned, s.in_flight, s.cancelled) == (BLOCKS, 0, 0, 0, 1)
+        assert off.lookup(keys[:1]) == 0
+        deadline = time.monotonic() + 20
+        while await off.alookup(keys) != len(keys):  # once a connection the cancel cut is replaced
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await off.load({k: i for i, k in enumerate(keys)})
+        assert all(same_block(off, i, written_bytes(), i) for i in range(len(keys)))
+    finally:
+        off.close()
+        await proxy.close()
 
 
 @pytest.mark.asyncio

@@ -11,6 +11,10 @@ slots plus a constant.
 
 The disk is slowed (a few ms per IO call: a fault, injected through the ``faults`` fixture) so that
 transfers are really in flight when shutdown comes; shutdown starts once a disk read has begun.
+
+A process that exits with an offloader open (also through an unhandled exception) closes it before
+Python stops its thread pools: a persistent disk tier keeps its host entries, write-through reaches
+the remote store.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import gc
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -28,11 +33,13 @@ import pytest
 import kvoffload
 import torch
 
-from support.caches import random_caches
+from support.caches import block_bytes, random_caches
 
 from support.figures import report_figure
 
 from support.process import kvoffload_threads, open_fds, rss_bytes
+
+from support.redis_servers import binaries, redis_server  # binaries: a fixture
 
 SHUTDOWN_BOUND_S = 10.0
 SLOW_IO_S = 0.003
@@ -275,6 +282,104 @@ os._exit(0)  # do not wait for a leaked worker thread
     for line in ("disk file open: False", "files left: []", "threads left: []"):
         assert line in out, f"missing {line!r}\n" + out + proc.stderr[-1500:]
     assert "raised" not in out, out + proc.stderr[-1500:]
+
+
+# -- exit with an offloader open: closed before Python stops its thread pools ----------------------
+
+# (a bug these tests found, fixed: the exit close ran after concurrent.futures had stopped every thread
+# pool, so a persistent tier lost the entries it held only in host memory, and write-through never
+# reached the remote store)
+
+EXIT_BLOCKS = 16
+
+# The child stores keys from random_caches(EXIT_BLOCKS, seed=EXIT_SEED), prints "stored" once they
+# all completed, then leaves with the offloader open: the exit close alone must keep them.
+EXIT_SEED = 85
+PERSIST_CHILD = textwrap.dedent("""
+    import sys, threading
+    import kvoffload
+    from kvoffload._core import runtime
+    from support.caches import random_caches
+
+    path, how = sys.argv[1], sys.argv[2]
+    off = kvoffload.Offloader(random_caches(16, seed=85), host_blocks=16, disk_path=path, disk_blocks=32, persist=True,
+                              fingerprint="model-a").start()
+    off.store({f"k{i}": i for i in range(8)}).result(30)  # 8 keys, 16 host slots: none on disk yet
+    print("stored", flush=True)
+    if how == "unhandled exception":
+        raise RuntimeError("boom: unhandled")
+    if how == "close running in another thread":  # a non-daemon thread is inside close() as the main thread ends
+        entered = threading.Event()
+        real_close_now = runtime.Runtime._close_now
+
+        def close_now(*args, **kwargs):
+            entered.set()
+            real_close_now(*args, **kwargs)
+
+        runtime.Runtime._close_now = close_now
+        threading.Thread(target=off.close, name="closer").start()
+        assert entered.wait(30)
+""")
+REMOTE_CHILD = textwrap.dedent("""
+    import sys
+    import kvoffload
+    from support.caches import random_caches
+
+    off = kvoffload.Offloader(random_caches(16, seed=85), host_blocks=16, remote=sys.argv[1], fingerprint="model-a").start()
+    off.store({f"p{i}": i for i in range(16)}).result(30)  # write-through starts as the store completes
+    print("stored", flush=True)
+""")
+
+
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (tests/support importable), run to its end."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+def check_loads_byte_exact(off: kvoffload.Offloader, caches: dict[str, torch.Tensor], keys: list[str]) -> None:
+    """Load ``keys`` into blocks 0.. and compare with the blocks the child stored them from."""
+    off.load({k: i for i, k in enumerate(keys)}).result(30)
+    want = random_caches(EXIT_BLOCKS, seed=EXIT_SEED)
+    for i, k in enumerate(keys):
+        assert block_bytes(caches, i) == block_bytes(want, i), k
+
+
+@pytest.mark.parametrize("how", ["exit", "unhandled exception", "close running in another thread"])
+def test_a_persistent_tier_keeps_its_host_entries_when_the_process_exits_without_close(tmp_path, how):
+    path = tmp_path / "kv"
+    proc = run_child(PERSIST_CHILD, str(path), how)
+    explain = f"exit {proc.returncode}\n{proc.stdout}{proc.stderr[-3000:]}"
+    assert "stored" in proc.stdout, explain
+    if how == "unhandled exception":
+        assert proc.returncode == 1 and "boom: unhandled" in proc.stderr, explain
+    else:
+        assert proc.returncode == 0, explain
+    caches = random_caches(EXIT_BLOCKS, seed=99)  # other bytes: every loaded block must be overwritten
+    keys = [f"k{i}" for i in range(8)]
+    off = kvoffload.Offloader(caches, host_blocks=0, disk_path=path, disk_blocks=32, persist=True, fingerprint="model-a").start()
+    try:
+        assert off.lookup(keys) == len(keys), f"{off.stats().recovered} of {len(keys)} entries kept\n{explain}"
+        check_loads_byte_exact(off, caches, keys)
+    finally:
+        off.close()
+
+
+@pytest.mark.asyncio
+async def test_write_through_reaches_the_remote_when_the_process_exits_without_close(binaries):
+    with redis_server(binaries) as server:
+        proc = await asyncio.to_thread(run_child, REMOTE_CHILD, server.url)
+        assert proc.returncode == 0 and "stored" in proc.stdout, f"exit {proc.returncode}\n{proc.stdout}{proc.stderr[-3000:]}"
+        caches = random_caches(EXIT_BLOCKS, seed=99)
+        keys = [f"p{i}" for i in range(EXIT_BLOCKS)]
+        off = kvoffload.Offloader(caches, host_blocks=EXIT_BLOCKS, remote=server.url, remote_write="none", fingerprint="model-a").start()
+        try:
+            assert await off.alookup(keys) == len(keys)
+            await off.load({k: i for i, k in enumerate(keys)})
+            want = random_caches(EXIT_BLOCKS, seed=EXIT_SEED)
+            assert all(block_bytes(caches, i) == block_bytes(want, i) for i in range(EXIT_BLOCKS))
+        finally:
+            await off.aclose()
 
 
 def test_zz_shutdown_figures():

@@ -91,6 +91,28 @@ def test_malformed_sizes_are_refused_naming_the_option(caches, tmp_path, option,
         kvoffload.Offloader(caches, **_with_disk_path(tmp_path, {option: value}))
 
 
+@pytest.mark.parametrize("value", ["\u0663\u0662MiB", "\uff13\uff12MiB", "3\u0662KiB", "\u0968\u0966\u0966", "\U0001d7d14KiB"])
+@pytest.mark.parametrize("option", ["host_bytes", "disk_bytes", "bounce_bytes"])
+def test_size_strings_take_ascii_digits_only(caches, tmp_path, option, value):
+    with pytest.raises(ValueError, match=rf"{option}=.*not a size"):
+        kvoffload.Offloader(caches, **_with_disk_path(tmp_path, {option: value}))
+
+
+@pytest.mark.parametrize("value, nbytes", [
+    ("000000000000000000000064KiB", 64 << 10), ("0" * 400 + "4096", 4096), ("0" * 30, 0),
+    (str((1 << 64) - 1), (1 << 64) - 1), ("16777215TiB", (1 << 64) - (1 << 40)), ((1 << 64) - 1, (1 << 64) - 1),
+], ids=["24 digits", "400 zeros then 4096", "30 zeros", "2**64-1", "16777215TiB", "int 2**64-1"])
+def test_sizes_are_bounded_by_their_value_not_their_digits(value, nbytes):
+    assert kvoffload._parse_size("host_bytes", value) == nbytes
+
+
+@pytest.mark.parametrize("value", [str(1 << 64), "16777216TiB", "1" + "0" * 5000 + "KiB", "9" * 21, 1 << 64, 10**5000],
+                         ids=["2**64", "16777216TiB", "10**5000KiB", "21 nines", "int 2**64", "int 10**5000"])
+def test_a_size_beyond_64_bits_is_refused_by_its_size(caches, value):
+    with pytest.raises(ValueError, match=r"host_bytes=.* is too large: at most 2\*\*64 - 1 bytes"):
+        kvoffload.Offloader(caches, host_bytes=value)
+
+
 @pytest.mark.parametrize("option", ["host_bytes", "disk_bytes"])
 def test_a_size_smaller_than_one_slot_is_refused(caches, tmp_path, option):
     with pytest.raises(ValueError, match=f"{option}=100 .*no slot of {SLOT} bytes"):

@@ -23,7 +23,7 @@ from ._core.tiers.hostmem import HostBuffer
 from ._core.workers.copy_submission import CopyCalls
 from ._core.offloader import Offloader
 
-__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "pinned_buffers", "check_index", "completion_bridge",
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "disk_file_location", "pinned_buffers", "check_index", "completion_bridge",
            "IoCalls", "CopyCalls", "CompletionBridge"]
 
 
@@ -63,6 +63,14 @@ def disk_file_stat(off: Offloader) -> os.stat_result:
     disk = off._running_storage().disk
     assert disk is not None, "no disk tier"
     return os.fstat(disk.file.fd)
+
+
+def disk_file_location(off: Offloader) -> str:
+    """Where the kernel says ``off``'s disk file is (``/proc/self/fd``): its path, or for a file with
+    no name the directory it was made in, then ``/#<inode> (deleted)`` or the like."""
+    disk = off._running_storage().disk
+    assert disk is not None, "no disk tier"
+    return os.readlink(f"/proc/self/fd/{disk.file.fd}")
 
 
 def pinned_buffers(off: Offloader) -> list[HostBuffer]:

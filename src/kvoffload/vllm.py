@@ -236,12 +236,14 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
 
 
 def disk_file_stem(disk_path: str, data_parallel_index: int, rank: int) -> str:
-    """The disk path of one rank of one data-parallel engine: ``<disk_path>.dp<D>.rank_<R>``.
+    """The disk path of one rank of one data-parallel engine: ``<disk_path>.dp<D>.rank_<R>``, or
+    ``<disk_path>/kv.dp<D>.rank_<R>`` when ``disk_path`` is a directory (its file goes in it).
 
     Its file has no name while the engine runs (the disk tier's file is nameless unless persistent),
     so several ``vllm serve`` processes given one ``disk_path`` never collide.
     """
-    return f"{disk_path}.dp{data_parallel_index}.rank_{rank}"
+    stem = os.path.join(disk_path, "kv") if os.path.isdir(disk_path) else disk_path
+    return f"{stem}.dp{data_parallel_index}.rank_{rank}"
 
 
 # -- metrics ----------------------------------------------------------------------------------

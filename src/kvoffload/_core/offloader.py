@@ -38,7 +38,7 @@ class Lease:
     the lease releases the others. A lease not loaded is released by :meth:`release`, by leaving its
     ``with`` block, when it is garbage-collected (at the next call on the offloader), or ``hold_s``
     seconds after the lookup (then a worker thread gives them back, whether or not anything calls the
-    offloader). Held hits count in ``stats().pinned``.
+    offloader; ``hold_s=float("inf")``: never). Held hits count in ``stats().pinned``.
     """
 
     __slots__ = ("count", "keys", "_index", "_pins", "__weakref__")
@@ -155,6 +155,10 @@ class Offloader:
             expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
             remote=remote, remote_shard=remote_shard, remote_write=remote_write,
         )
+        if isinstance(self._options.remote, str):  # now, not at start(): before any disk file is made
+            from .tiers.remote.redis_store import check_url  # redis-py is optional: imported only for a remote tier
+
+            check_url(self._options.remote)
         self._slots: TierSlots = self._options.tier_slots(self._layout.slot_bytes)
         if self._options.host_blocks is None and self._options.host_bytes is None:
             log.info(
@@ -286,6 +290,16 @@ class Offloader:
                 log.warning("kvoffload: aclose() was cancelled and the close failed: %s", closed.exception())
             raise cancelled
         closed.result()
+
+    @property
+    def disk_file(self) -> str | None:
+        """The path of the persistent disk tier's file (``persist=True``; with a directory as
+        ``disk_path``, the file in it for this cache identity), once started; else None (a disk
+        file without persistence has no name)."""
+        runtime = self._runtime
+        storage = runtime.storage if runtime is not None else None
+        disk = storage.disk if storage is not None else None
+        return disk.file.path if disk is not None and disk.persistent is not None else None
 
     @property
     def closed(self) -> bool:
@@ -436,16 +450,16 @@ class Offloader:
 
         ``hold=True`` returns a :class:`Lease` on those hits instead (``.count`` is the hit length):
         they stay, neither evicted nor spilled, until a ``load(..., lease=lease)`` takes them, the
-        lease is released, or ``hold_s`` seconds have passed. ``TypeError`` for a ``str``, ``bytes``,
+        lease is released, or ``hold_s`` seconds have passed (``inf``: no deadline). ``TypeError`` for a ``str``, ``bytes``,
         ``bytearray`` or ``memoryview``: one key, not an iterable of keys (``lookup([key])``);
-        ``ValueError`` for a ``hold_s`` that is not a number >= 0."""
+        ``ValueError`` for a ``hold_s`` that is not a number >= 0 (NaN, negative)."""
         _check_not_one_key("lookup", keys)
         index = self._running_storage().index
         if not hold:
             hits = index.lookup(keys)
             self._counters.looked_up(hits)
             return hits
-        hold_s = check_seconds("hold_s", hold_s)
+        hold_s = check_seconds("hold_s", hold_s, infinite=True)
         keys = list(keys)
         lease = Lease(index)  # first: an interrupt in hold() leaves pins that the lease gives back
         try:
@@ -495,7 +509,7 @@ class Offloader:
 
         ``TypeError`` for a ``str``, ``bytes``, ``bytearray`` or ``memoryview``, as :meth:`lookup`."""
         _check_not_one_key("discard", keys)
-        return self._running_storage().index.discard(keys)
+        return self._running_storage().discard(keys)
 
     def stats(self) -> OffloaderStats:
         """A snapshot of slot use and transfer counters. Counters never go down, also across ``close()``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures.thread  # noqa: F401  registers its exit hook before ours (see _close_all_at_exit)
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from .workers.copy_worker import CopyWorker, CopyWorkers
 from .base.layout import BlockLayout
 from .workers.worker_loop import WorkerLoop
 from .workers.copier import BlockCopier, make_block_copier
-from .base.diskfile import check_free_space
+from .base.diskfile import check_free_space, disk_file_path
 from .tiers.index import BlockIndex
 from .base.cache_identity import CacheIdentity
 from .base.options import Options, TierSlots, format_size
@@ -70,19 +71,53 @@ def _after_fork_in_child() -> None:
     _live.clear()
 
 
+_exit_tried: set[Runtime] = set()
+"""The runtimes an exit pass has closed or tried to: the second pass never waits for them again."""
+
+
 def _close_all_at_exit() -> None:
+    """Close every live runtime (``_EXIT_TIMEOUT_S`` each) that no exit pass has tried yet. Never
+    raises: in threading's shutdown that would skip the hooks after it and the join of the threads."""
     with _live_lock:
-        runtimes = list(_live)
-    for rt in runtimes:
+        runtimes = [rt for rt in _live if rt not in _exit_tried]
+        _exit_tried.update(runtimes)
+    for i, rt in enumerate(runtimes):
         try:
             rt.close(_EXIT_TIMEOUT_S)
         except Exception as e:  # a thread is stuck: at least the user's data must not outlive us
             log.warning("kvoffload: closing an offloader at exit failed (%s); removing its disk file", e)
-            rt.remove_disk_file()
+            _remove_disk_file_quietly(rt)
+        except BaseException:  # an interrupt while exiting: wait no longer, but leave no user data behind
+            log.warning("kvoffload: closing offloaders at exit was interrupted; removing their disk files")
+            for left in runtimes[i:]:
+                _remove_disk_file_quietly(left)
+            return
+
+
+def _remove_disk_file_quietly(rt: Runtime) -> None:
+    try:
+        rt.remove_disk_file()
+    except Exception:
+        log.exception("kvoffload: removing a disk file at exit failed")
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+# threading's shutdown (when the main thread ends) runs the hooks registered with
+# threading._register_atexit, newest first, then waits for the non-daemon threads; atexit runs after
+# that. concurrent.futures' hook (registered when it is imported, above) makes every thread pool
+# refuse work: the disk tier's IO threads, asyncio's getaddrinfo for the remote tier's connections.
+# Ours, registered after it, runs before it: a persistent tier can still write its host entries and
+# checkpoint, write-through can still reach the remote store.
+# The atexit pass (a no-op when nothing is left) is for Pythons without that hook, and for runtimes
+# started after it ran (by a non-daemon thread threading then waits for, or an atexit handler): their
+# pools refuse work, but their threads must still stop and their disk file go.
+_register_threading_atexit = getattr(threading, "_register_atexit", None)
+if _register_threading_atexit is not None:
+    try:
+        _register_threading_atexit(_close_all_at_exit)
+    except RuntimeError:  # imported during threading's shutdown: only the atexit pass is left
+        pass
 atexit.register(_close_all_at_exit)
 
 
@@ -151,9 +186,10 @@ def _host_memory_limits() -> list[tuple[str, int]]:
     return [(what, n) for what, n in limits if n > 0]
 
 
-def check_sizes(layout: BlockLayout, opts: Options, slots: TierSlots) -> None:
+def check_sizes(layout: BlockLayout, opts: Options, slots: TierSlots, disk_path: str | None) -> None:
     """Fail at once, before anything is allocated, when the tiers cannot fit: not after minutes of
-    paging, an OOM kill or a bare ``MemoryError``. The message names the size, the option and the limit."""
+    paging, an OOM kill or a bare ``MemoryError``. The message names the size, the option and the limit.
+    ``disk_path``: where the disk file goes (:func:`~.base.diskfile.disk_file_path`)."""
     for given, n in ((slots.host_given, slots.host), (slots.disk_given, slots.disk)):
         if n > MAX_SLOTS_PER_TIER:
             raise MemoryError(
@@ -169,8 +205,8 @@ def check_sizes(layout: BlockLayout, opts: Options, slots: TierSlots) -> None:
                 f"({format_size(need.host_slab)} host slab, {format_size(need.disk_bounce)} disk bounce buffers, "
                 f"{format_size(need.bookkeeping)} slot bookkeeping), more than {what}: {format_size(limit)}"
             )
-    if opts.disk_path is not None and need.disk_file:
-        check_free_space(opts.disk_path, need.disk_file, slots.disk_given)
+    if disk_path is not None and need.disk_file:
+        check_free_space(disk_path, need.disk_file, slots.disk_given)
 
 
 class HoldExpiry:
@@ -285,7 +321,9 @@ class Runtime:
         with _live_lock:
             _live.add(self)
         try:
-            check_sizes(layout, opts, slots)
+            identity = CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None
+            disk_path = disk_file_path(opts.disk_path, identity.digest if identity else None) if opts.disk_path else None
+            check_sizes(layout, opts, slots, disk_path)
             expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
             for name in ("store", "load", "expedited") if expedited else ("store", "load"):
                 copier = make_block_copier(layout, caches, opts, expedited=name == "expedited")
@@ -294,11 +332,11 @@ class Runtime:
                     completion=opts.completion if layout.is_cuda else None, on_thread_start=_init_worker_thread(layout.device),
                 ))
             self.storage = TieredStorage(
-                layout, slots.host, opts.disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
+                layout, slots.host, disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
                 chunk_blocks=layout.blocks_per_chunk(opts.chunk_bytes),
                 bounce_blocks=layout.blocks_per_chunk(opts.bounce_bytes or opts.chunk_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
-                identity=CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None, verify=opts.verify,
+                identity=identity, verify=opts.verify,
             )
             self.hold_expiry = HoldExpiry(self.storage.index, self.workers[1].loop)
             if opts.remote is not None:
@@ -307,7 +345,7 @@ class Runtime:
                 self.storage.attach_remote(self.remote)
         except BaseException:
             try:
-                self._close_now(Deadline(5.0))
+                self._close_now(Deadline(5.0), failed_start=True)
             except BaseException:  # stays in _live: the exit handler tries again
                 log.exception("kvoffload: cleaning up after a failed start did not finish")
             raise
@@ -355,7 +393,7 @@ class Runtime:
         except Exception:
             log.exception("kvoffload: closing the offloader failed; call close() again to finish")
 
-    def _close_now(self, deadline: Deadline) -> None:
+    def _close_now(self, deadline: Deadline, *, failed_start: bool = False) -> None:
         timeout = deadline.timeout
         if self.hold_expiry is not None:
             self.hold_expiry.close()
@@ -384,7 +422,7 @@ class Runtime:
             self.final_counts = storage.counts().retired()
             self.storage = None
             disk = storage.disk
-            if not storage.close(deadline.left()):
+            if not storage.close(deadline.left(), failed_start=failed_start):
                 self._disk_left = disk
                 raise CloseError(f"disk IO thread did not stop within {timeout} s; disk file kept: call close() again")
         elif self._disk_left is not None:

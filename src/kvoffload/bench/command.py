@@ -124,7 +124,7 @@ SCENARIOS: dict[str, tuple[Callable[[Run], None], ...]] = {
     "compute": (lambda r: under_compute_scenarios(r.rep, r.lay, min(r.gib, 0.5), r.dev, r.args.busy_seconds),),
     "disk": (lambda r: disk_scenarios(r.rep, r.lay, r.disk_gib, r.dev, r.base, r.args.disk_dir, r.args.io_threads),),
     "persist": (lambda r: persistence_scenarios(r.rep, r.lay, r.disk_gib, r.dev, r.args.disk_dir, r.args.io_threads),),
-    "remote": (lambda r: remote_scenarios(r.rep, r.lay, min(r.gib, 1.0), r.dev),),
+    "remote": (lambda r: remote_scenarios(r.rep, r.lay, min(r.gib, 1.0), r.dev, disk_dir=r.args.disk_dir),),
     "ttft": (lambda r: ttft_scenarios(r.rep, r.dev, r.ttft_lengths, r.args.disk_dir),),
     "small": (lambda r: small_transfers(r.rep, r.dev, r.base, r.args.small),),
     "cost": (lambda r: cost_scenario(r.rep, r.dev),),

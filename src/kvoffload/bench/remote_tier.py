@@ -68,10 +68,11 @@ def redis_server() -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, rounds: int = 3) -> None:
+def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, rounds: int = 3, disk_dir: str | None = None) -> None:
     """The remote tier on a redis-server on loopback (started here if one is on PATH, else skipped):
     a store's background write-through until every block is on the server, and ``alookup`` + ``load``
-    of those blocks into another offloader, beside redis-py's own pipelined SET and GET of the same
+    of those blocks into another offloader (into its host slots, and into the disk slots of a
+    disk-only one, its file in ``disk_dir``), beside redis-py's own pipelined SET and GET of the same
     bytes (one value per block, windows of 4 MiB) in the same run."""
     n = lay.blocks_for(gib)
     nbytes = n * lay.block_bytes
@@ -83,12 +84,19 @@ def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, ro
     import redis
 
     rep.begin(what)
-    with redis_server() as url, redis.Redis.from_url(url) as raw:
-        figures: dict[str, list[float]] = {k: [] for k in ("store", "load", "set", "get")}
+    tmp = tempfile.mkdtemp(prefix="kvoffload-bench-", dir=disk_dir)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+        url = stack.enter_context(redis_server())
+        raw = stack.enter_context(redis.Redis.from_url(url))
+        figures: dict[str, list[float]] = {k: [] for k in ("store", "load", "load_disk", "set", "get")}
         caches = lay.cache(n, dev)
         slab = bytearray(os.urandom(lay.block_bytes))
         values = [bytes(slab) for _ in range(n)]
         window = max(1, (4 << 20) // lay.block_bytes)
+        disk_reader = stack.enter_context(Offloader(
+            lay.cache(n, dev), host_blocks=0, disk_path=os.path.join(tmp, "kv"), disk_blocks=n, remote=url, remote_write="none",
+        ))
         with Offloader(caches, host_blocks=n, remote=url) as writer, Offloader(lay.cache(n, dev), host_blocks=n, remote=url) as reader:
             for r in range(rounds):
                 keys = [f"bench-{r}-{i}" for i in range(n)]
@@ -98,14 +106,15 @@ def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, ro
                     time.sleep(0.001)
                 figures["store"].append(nbytes / (time.perf_counter() - t0) / 1e9)
 
-                async def fetch() -> None:
-                    assert await reader.alookup(keys) == n
-                    await reader.load({k: i for i, k in enumerate(keys)})
+                async def fetch(off: Offloader) -> None:
+                    assert await off.alookup(keys) == n
+                    await off.load({k: i for i, k in enumerate(keys)})
 
-                t0 = time.perf_counter()
-                asyncio.run(fetch())
-                figures["load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-                reader.discard(keys)
+                for name, off in (("load", reader), ("load_disk", disk_reader)):
+                    t0 = time.perf_counter()
+                    asyncio.run(fetch(off))
+                    figures[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    off.discard(keys)
                 writer.discard(keys)
                 raw.flushall()
                 t0 = time.perf_counter()
@@ -127,3 +136,5 @@ def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, ro
     rep.row("remote store (background write-through)", "GB/s", best["store"], best["set"], None,
             note="from store() until every block is on the server")
     rep.row("remote load (alookup + load)", "GB/s", best["load"], best["get"], None)
+    rep.row("remote load via disk slots (no host)", "GB/s", best["load_disk"], best["get"], None,
+            note="a disk-only offloader: every block fetched and written to disk, then copied to the cache")

@@ -26,14 +26,19 @@ class Deadline:
         return -1 if left is None else left
 
 
-def check_seconds(name: str, value: object) -> float:
-    """``value`` as a duration in seconds: a finite real number >= 0; else ``TypeError``/``ValueError``
-    naming ``name``."""
+def check_seconds(name: str, value: object, *, infinite: bool = False) -> float:
+    """``value`` as a duration in seconds: a finite real number >= 0 (``infinite``: also ``inf``, for
+    "no deadline"); else ``TypeError``/``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not value >= 0 or value == float("inf"):  # also refuses nan
+    if not value >= 0:  # also refuses nan
+        raise ValueError(f"{name} must be a number of seconds >= 0{' (inf: no deadline)' if infinite else ''}, got {value!r}")
+    if value == float("inf") and not infinite:
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"{name} must be a number of seconds >= 0 that a float holds, got an int too large for one") from None
 
 
 def check_timeout(timeout: object) -> float | None:

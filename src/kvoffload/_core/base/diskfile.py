@@ -36,10 +36,11 @@ from .cross_thread import resolve_from_any_thread
 from .errors import OffloadError
 from .async_backends import settled
 from .foreign import call_foreign
+from .file_systems import ram_backed_fs
 from .layout import SLOT_ALIGN, runs
 from .options import format_size
 
-__all__ = ["DiskFile", "DiskIoCounts", "IoBatch", "IoCalls", "check_free_space", "clear_path", "io_jobs"]
+__all__ = ["DiskFile", "DiskIoCounts", "IoBatch", "IoCalls", "check_free_space", "clear_path", "disk_file_path", "io_jobs"]
 
 log = logging.getLogger("kvoffload")
 
@@ -75,7 +76,8 @@ class DiskFile:
     it is there (refused unless a regular file of this user with no permission for others, that
     no live offloader holds: :func:`open_existing`) and created otherwise (``O_EXCL |
     O_NOFOLLOW``, mode 0600); it is locked with ``flock`` and kept on close. :attr:`existed` says
-    which; the file is extended to ``nbytes`` (never shrunk: see :meth:`resize`).
+    which. A new file's ``nbytes`` are reserved at once; a file found is left as it is (its size in
+    :attr:`found_bytes`) until its user accepts its contents and calls :meth:`resize`.
     """
 
     def __init__(
@@ -92,35 +94,59 @@ class DiskFile:
         """The file has a name (``path``) while open: persistent files only."""
         self.io = IoCalls()
         self.fd = -1
+        self.found_bytes = 0
+        """The size of a persistent file that was there already, as found (before any resize)."""
         self._counts_lock = threading.Lock()
         self._bytes_written = self._bytes_read = self._errors = 0
         """What :meth:`io_counts` reports; under ``_counts_lock``."""
+        self._locked = False
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory of disk_path does not exist", parent)
         want_direct = not use_page_cache and O_DIRECT != 0
         if persistent:
-            opened = open_existing(self.path, want_direct)
-            self.existed = opened is not None
-            self.fd, self.direct = opened if opened is not None else self._open(want_direct)
+            self.fd, self.direct = self._open_named(want_direct)
         else:
             self.fd, self.direct = self._open_unnamed(parent, want_direct)
         try:
             if self.named:
                 self._lock()
+            if self.existed:
+                self.found_bytes = os.fstat(self.fd).st_size
             if self.direct and not self._direct_io_works():
                 log.warning("%s: the file system rejects O_DIRECT IO; using buffered IO (page cache)", self.path)
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
                 self.direct = False
-            self._reserve()
+            if not self.existed:  # a file found is resized once its contents were accepted (:meth:`resize`)
+                self._reserve()
             if not persistent and self.named:
                 self.unlink()  # reserved, now nameless: nothing is left behind however the process ends
                 self.named = False
         except BaseException:
-            if persistent and not self.existed:
-                self.persistent = False  # created by this start: removed with it
+            if persistent:  # removed with this start only if it created the file and it is still its own
+                self.persistent = self.existed or not self._locked
             self.close()
             raise
+        ram = ram_backed_fs(self.name)
+        if ram is not None:
+            log.warning(
+                "%s: the disk tier's file system is %s, which keeps its files in memory: the disk tier saves no memory "
+                "there; put disk_path on a local disk", self.path, ram,
+            )
+
+    def _open_named(self, direct: bool) -> tuple[int, bool]:
+        """The persistent file at :attr:`path`: opened if it is there (:func:`open_existing`), else
+        created; another process creating it at the same moment makes this one open theirs."""
+        for _ in range(8):
+            opened = open_existing(self.path, direct)
+            if opened is not None:
+                self.existed = True
+                return opened
+            try:
+                return self._open(direct)
+            except FileExistsError:  # created since we looked: open that one (whoever locks it first uses it)
+                continue
+        raise OffloadError(f"disk_path {self.path!r} keeps appearing and disappearing; is another program replacing it?")
 
     def _open_unnamed(self, directory: str, direct: bool) -> tuple[int, bool]:
         """A file with no name in ``directory`` (``O_TMPFILE``); else one created under a fresh
@@ -158,11 +184,13 @@ class DiskFile:
         """Mark the file as ours (``flock``) before anything else is done with it: see :func:`clear_path`."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._locked = True
         except BlockingIOError as e:  # another offloader holds it, or is replacing what it found at the path
             raise OffloadError(f"disk_path {self.path!r} is in use by another kvoffload offloader; close it or choose another path") from e
         except OSError as e:
             if e.errno not in _NO_FLOCK:
                 raise
+            self._locked = True  # as far as this file system can tell
             log.warning("%s: the file system has no flock(); another offloader could replace this file", self.path)
 
     def _direct_io_works(self) -> bool:
@@ -265,6 +293,20 @@ class DiskFile:
         self.unlink()
         os.close(self.fd)
         self.fd = -1
+
+
+def disk_file_path(disk_path: str, identity_digest: bytes | None) -> str:
+    """Where the disk tier's file goes for ``disk_path``: that path, or, when it names a directory,
+    a file in it: ``kvoffload-<16 hex digits of the cache identity's digest>.cache`` for a persistent
+    tier (``identity_digest`` given: each cache identity a file of its own), else an unnamed one."""
+    if not os.path.isdir(disk_path):
+        return disk_path
+    if identity_digest is None:
+        log.info("kvoffload: disk_path %s is a directory: the disk tier's file is an unnamed file in it", disk_path)
+        return os.path.join(disk_path, "kvoffload-disk-tier")  # never created under this name (see DiskFile)
+    path = os.path.join(disk_path, f"kvoffload-{identity_digest.hex()[:16]}.cache")
+    log.info("kvoffload: disk_path %s is a directory: the persistent disk tier's file is %s", disk_path, path)
+    return path
 
 
 def _free_bytes(directory: str) -> int | None:

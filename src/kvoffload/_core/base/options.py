@@ -7,33 +7,48 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["DEFAULT_HOST_BYTES", "Options", "TierSlots", "format_size", "parse_size"]
+__all__ = ["DEFAULT_HOST_BYTES", "MAX_SIZE", "Options", "TierSlots", "format_size", "parse_size"]
 
 DEFAULT_HOST_BYTES = 1 << 30
 """The host tier's size when neither ``host_blocks`` nor ``host_bytes`` is given: 1 GiB worth of slots."""
 
 _SIZE_UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_SIZE = re.compile(r"\s*(\d{1,20})\s*(KiB|MiB|GiB|TiB)?\s*")
+_SIZE = re.compile(r"\s*0*([0-9]+)\s*(KiB|MiB|GiB|TiB)?\s*")  # [0-9], not \d: ASCII digits only
+MAX_SIZE = (1 << 64) - 1
+"""The largest size :func:`parse_size` takes: 2**64 - 1 bytes."""
 
 
 def parse_size(name: str, value: object) -> int:
-    """Bytes from ``value``: an int >= 0, or a string of digits with an optional binary suffix
-    (``"65536"``, ``"64KiB"``, ``"16GiB"``, ``"1TiB"``). ``TypeError`` / ``ValueError`` naming
-    ``name`` (the option) and the value otherwise: floats, bools, negatives, other suffixes."""
+    """Bytes from ``value``: an int >= 0, or a string of ASCII digits with an optional binary suffix
+    (``"65536"``, ``"64KiB"``, ``"16GiB"``, ``"1TiB"``), at most :data:`MAX_SIZE`. ``TypeError`` /
+    ``ValueError`` naming ``name`` (the option) and the value otherwise: floats, bools, negatives,
+    other suffixes, other digits, sizes beyond 64 bits."""
     if isinstance(value, str):
         m = _SIZE.fullmatch(value)
         if m is None:
+            hint = " (digits 0-9 only)" if any(c.isdigit() and not c.isascii() for c in value) else ""
             raise ValueError(
-                f"{name}={value!r} is not a size: give bytes as an integer, or digits with KiB, MiB, GiB or TiB ('16GiB')"
+                f"{name}={_shown(value)} is not a size{hint}: give bytes as an integer, or digits with KiB, MiB, GiB or TiB ('16GiB')"
             )
-        return int(m[1]) * _SIZE_UNITS[m[2]]
-    if isinstance(value, bool) or not isinstance(value, int):
+        nbytes = int(m[1]) * _SIZE_UNITS[m[2]] if len(m[1]) <= 20 else MAX_SIZE + 1  # 20 digits hold 2**64 - 1
+    elif isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"{name}={value!r} ({type(value).__name__}) is not a size: give bytes as an integer, or a string such as '16GiB'"
         )
-    if value < 0:
-        raise ValueError(f"{name}={value!r} is negative")
-    return value
+    elif value < 0:
+        raise ValueError(f"{name}={_shown(value)} is negative")
+    else:
+        nbytes = value
+    if nbytes > MAX_SIZE:
+        raise ValueError(f"{name}={_shown(value)} is too large: at most 2**64 - 1 bytes, 16 EiB")
+    return nbytes
+
+
+def _shown(value: str | int) -> str:
+    """``value`` for a message, cut short if long (an int of thousands of digits has no ``repr``)."""
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 256 else f"<an int of {value.bit_length()} bits>"
+    return repr(value) if len(value) <= 48 else repr(value[:40]) + "..."
 
 
 def format_size(nbytes: int) -> str:
@@ -139,7 +154,8 @@ class Options:
     ``rediss://`` for TLS, ``redis+cluster://host:port`` for a cluster) or a ``redis.asyncio.Redis`` /
     ``RedisCluster`` client configured by the caller (TLS, AUTH, timeouts are then the caller's;
     the offloader uses it on its ``kvoffload-remote`` thread only, and never closes it). Keys must be
-    ``bytes``, ``str`` or ``int``. See the README's *Sharing a cache across nodes*."""
+    ``bytes``, ``str`` or ``int``. A URL is checked when the ``Offloader`` is made, without connecting
+    (scheme, port, db, query arguments). See the README's *Sharing a cache across nodes*."""
     remote_shard: str = ""
     """Which shard of a sharded cache this offloader holds (the tensor-parallel rank): part of the
     cache identity, so ranks never read each other's blocks."""
@@ -250,7 +266,7 @@ def _check_remote(remote: object) -> None:
     if isinstance(remote, str):
         if not remote:
             raise ValueError("remote is a Redis URL such as 'redis://host:6379/0', got ''")
-        return
+        return  # its scheme, host, port and db are checked by the Offloader (check_url of the remote tier)
 
     if not isinstance(remote, (Redis, RedisCluster)):
         raise TypeError(f"remote must be a Redis URL or a redis.asyncio Redis/RedisCluster client, got {type(remote).__name__}")

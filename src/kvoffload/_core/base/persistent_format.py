@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 
@@ -43,6 +44,8 @@ _CHECKPOINT_MAGIC = b"KVCKPT\x00\x01"
 _CHECKPOINT_FIXED = struct.Struct("<8s16sQQB")  # magic, namespace, next seq, records, clean
 _RECORD = struct.Struct("<QQII")  # slot, seq, payload crc, key length
 _CRC = struct.Struct("<I")
+_MAX_FILE_HEADER = 64 << 20
+"""The largest file header read (a cache identity of a million tensors is well below)."""
 
 
 def crc32c_of(data: object) -> int:
@@ -75,14 +78,18 @@ class FileHeader:
         ) + text
         return (body + _CRC.pack(crc32c_of(body))).ljust(self.data_offset, b"\0")
 
+    @staticmethod
+    def length(data: bytes) -> int:
+        """How many bytes the header starting ``data`` takes (its :attr:`data_offset`), read from its
+        fixed part (the first page holds it); ``ValueError`` as :meth:`parse` for foreign bytes. A file
+        header of any size is read as: this page, then :meth:`length` bytes, then :meth:`parse`."""
+        return int(_check_fixed(data)[5])
+
     @classmethod
     def parse(cls, data: bytes) -> FileHeader:
-        """The header at the start of ``data``; ``ValueError`` saying what is wrong otherwise."""
-        if len(data) < _FILE_FIXED.size or data[:8] != _FILE_MAGIC:
-            raise ValueError("not a kvoffload disk file (no file header)")
-        magic, version, header_bytes, slot_bytes, slots, data_offset, epoch, digest, n = _FILE_FIXED.unpack_from(data)
-        if version != _FILE_VERSION or header_bytes != HEADER_BYTES:
-            raise ValueError(f"written by another version of kvoffload (format {version})")
+        """The header at the start of ``data`` (at least :meth:`length` bytes); ``ValueError`` saying
+        what is wrong otherwise."""
+        magic, version, header_bytes, slot_bytes, slots, data_offset, epoch, digest, n = _check_fixed(data)
         end = _FILE_FIXED.size + n
         if len(data) < end + _CRC.size or _CRC.unpack_from(data, end)[0] != crc32c_of(data[:end]):
             raise ValueError("its file header is damaged (checksum)")
@@ -90,6 +97,19 @@ class FileHeader:
         if out.data_offset != data_offset:
             raise ValueError("its file header is damaged (data offset)")
         return out
+
+
+def _check_fixed(data: bytes) -> tuple[Any, ...]:
+    """The fixed part of a file header, checked for what it alone can show."""
+    if len(data) < _FILE_FIXED.size or data[:8] != _FILE_MAGIC:
+        raise ValueError("not a kvoffload disk file (no file header)")
+    fixed = _FILE_FIXED.unpack_from(data)
+    version, header_bytes, data_offset, n = fixed[1], fixed[2], fixed[5], fixed[8]
+    if version != _FILE_VERSION or header_bytes != HEADER_BYTES:
+        raise ValueError(f"written by another version of kvoffload (format {version})")
+    if data_offset % HEADER_BYTES or data_offset < _FILE_FIXED.size + n + _CRC.size or data_offset > _MAX_FILE_HEADER:
+        raise ValueError("its file header is damaged (data offset)")
+    return fixed
 
 
 @dataclass(frozen=True)
@@ -160,14 +180,19 @@ class Checkpoint:
         if _CRC.unpack_from(data, len(data) - _CRC.size)[0] != crc32c_of(memoryview(data)[: -_CRC.size]):
             raise ValueError("the checkpoint is torn or damaged (checksum)")
         _, namespace, next_seq, count, clean = _CHECKPOINT_FIXED.unpack_from(data)
+        end = len(data) - _CRC.size
+        if count > (end - _CHECKPOINT_FIXED.size) // _RECORD.size:
+            raise ValueError(f"the checkpoint is damaged (it claims {count} records)")
         records: list[CheckpointRecord] = []
         at = _CHECKPOINT_FIXED.size
         for _ in range(count):
+            if at + _RECORD.size > end:
+                raise ValueError("the checkpoint is damaged (a record runs past its end)")
             slot, seq, crc, key_len = _RECORD.unpack_from(data, at)
             at += _RECORD.size
             records.append(CheckpointRecord(slot, seq, crc, bytes(data[at : at + key_len])))
             at += key_len
-        if at != len(data) - _CRC.size:
+        if at != end:
             raise ValueError("the checkpoint is damaged (length)")
         return cls(bytes(namespace), next_seq, bool(clean), tuple(records))
 

@@ -22,8 +22,10 @@ rather than created, and checkpointed in the background and at close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -181,7 +183,7 @@ class DiskTier:
             for _ in range(2 if store_bounce else 1):
                 self._bounce.append(HostBuffer(2 * chunk_blocks * layout.slot_bytes, pin=layout.device if layout.is_cuda else None))
         except BaseException:
-            self.close()
+            self.close(failed_start=True)
             raise
         self._load_pool = BouncePool.of_buffer(self._bounce[0], chunk_blocks, layout.slot_bytes)
         if store_bounce:
@@ -326,15 +328,20 @@ class DiskTier:
         self, pairs: Sequence[tuple[int, int]], keys: Sequence[Hashable],
         fetch: Callable[[Sequence[Hashable], list[np.ndarray]], Awaitable[None]],
     ) -> None:
-        """Blocks from elsewhere (the remote tier) to cache blocks and disk slots (``(slot, block id)``,
-        for ``keys``, pairwise), on the load worker's loop: chunk by chunk, ``fetch(keys, buffers)``
-        fills a load bounce half, then the IO threads write it to the slots while the copy takes it
-        to the cache; the next chunk's fetch goes on meanwhile. On error or cancellation every write
-        and copy started is waited for before the exception propagates."""
+        """Blocks from elsewhere (the remote tier) to disk slots and cache blocks (``(slot, block id)``,
+        for ``keys``, pairwise), on the load worker's loop. Nothing reaches the cache before every
+        block has been fetched: first, chunk by chunk, ``fetch(keys, buffers)`` fills a load bounce
+        half (checking each value) and the IO threads write it to its slots while the next chunk is
+        fetched; then the last chunk, still in its half, is copied to the cache (beside its write)
+        and the others are read back from their slots as by :meth:`load`. A failed fetch thus leaves
+        every cache block as it was. On error or cancellation every write and copy started is waited
+        for before the exception propagates."""
         pool = self._load_pool
         worker = self.workers.load
+        chunks = chunked(pairs, pool.chunk_blocks)
         writes: list[IoBatch] = []
-        last: Any = None  # completion event of the last copy out of the bounce buffer
+        held: tuple[int, list[int]] | None = None  # the last chunk's half and rows, kept for its copy
+        last: Any = None  # completion event of the copy out of that half
 
         async def ended(batch: IoBatch, event: Any) -> None:
             try:
@@ -343,7 +350,7 @@ class DiskTier:
                 await worker.tasks.settle(event)
 
         try:
-            for i, chunk in enumerate(chunked(pairs, pool.chunk_blocks)):
+            for i, chunk in enumerate(chunks):
                 half = await pool.acquire()
                 rows = pool.rows_of(half, len(chunk))
                 first = i * pool.chunk_blocks
@@ -355,27 +362,39 @@ class DiskTier:
                     pool.release(half)
                     raise
                 writes.append(batch)
-                event = None
-                try:
-                    event = last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], rows))
-                finally:
-                    pool.release_after(ended(batch, event), half)
-            for batch in writes:
+                if i + 1 < len(chunks):
+                    pool.release_after(batch.wait(), half)
+                else:
+                    held = half, rows
+            for batch in writes[:-1]:  # every block fetched and checked: the cache may be written now
                 await batch.wait()
+            if held is not None:
+                (half, rows), held = held, None
+                try:
+                    last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunks[-1]], rows))
+                finally:
+                    pool.release_after(ended(writes[-1], last), half)
+            if len(chunks) > 1:
+                await self.load(pairs[: (len(chunks) - 1) * pool.chunk_blocks])
+            if writes:
+                await writes[-1].wait()
             await worker.tasks.wait(last)
         except BaseException:
             for batch in writes:
                 await batch.settle()
             await worker.tasks.settle(last)
+            if held is not None:
+                pool.release(held[0])
             raise
 
     def bounce_buffers(self) -> list[HostBuffer]:
         """The pinned bounce buffers."""
         return list(self._bounce)
 
-    def close(self, timeout: float | None = 30.0) -> bool:
+    def close(self, timeout: float | None = 30.0, *, failed_start: bool = False) -> bool:
         """Stop the IO threads within ``timeout`` seconds in all (None: no limit), then close and unlink
-        the file; False if a thread is stuck (fd leaked)."""
+        the file (a persistent one is checkpointed and kept; after a ``failed_start``, one this start
+        created is removed with its checkpoint); False if a thread is stuck (fd leaked)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         deadline = Deadline(timeout)
         for t in list(getattr(self.pool, "_threads", ())):
@@ -383,7 +402,12 @@ class DiskTier:
         if any(t.is_alive() for t in getattr(self.pool, "_threads", ())):
             log.warning("disk tier: an IO thread is still running; leaving fd %d open", self.file.fd)
             return False
-        if self.persistent is not None and self._snapshot is not None and self.file.fd >= 0:
+        if failed_start and self.file.persistent and not self.file.existed:
+            self.file.persistent = False  # created by this start: it goes with it
+            if self.persistent is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.persistent.checkpoint_path)
+        elif self.persistent is not None and self._snapshot is not None and self.file.fd >= 0:
             try:
                 self.persistent.write_tombstones_now()
                 self.persistent.write_checkpoint(self._snapshot(), clean=True)

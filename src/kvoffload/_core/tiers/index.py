@@ -1107,7 +1107,8 @@ class BlockIndex:
 
     def hold(self, keys: Iterable[Hashable], into: list[Pin], hold_s: float) -> int:
         """Pin the current copy of each leading visible key (a lease; each becomes most recently used)
-        until :meth:`unpin` or, at the latest, the first call on the index ``hold_s`` seconds from now.
+        until :meth:`unpin` or, at the latest, the first call on the index ``hold_s`` seconds from now
+        (``inf``: until :meth:`unpin`).
 
         Returns how many keys lead (what :meth:`lookup` returns). The pins are appended to ``into`` as
         they are taken, as :meth:`pin` does; :meth:`pin` takes them over for a load (``taking``).
@@ -1125,9 +1126,10 @@ class BlockIndex:
             n += 1
         if not n:
             return 0
-        self._holds_taken += 1
-        heapq.heappush(self._holds, (deadline, self._holds_taken, pins))  # first: an interrupt below leaves
-        self._next_expiry = self._holds[0][0]  # a hold that expires, never one held for good
+        if deadline < float("inf"):  # an infinite hold has nothing to expire: unpin (its lease's release or collection) ends it
+            self._holds_taken += 1
+            heapq.heappush(self._holds, (deadline, self._holds_taken, pins))  # first: an interrupt below leaves
+            self._next_expiry = self._holds[0][0]  # a hold that expires, never one held for good
         self._pin([e.key for e in found[:n] if e is not None], found[:n], pins)  # a lease never promotes
         return n
 
@@ -1252,24 +1254,44 @@ class BlockIndex:
                 self._drop_clean_copy(e)
 
     def copy_host_entries_to_disk(self) -> list[tuple[Entry, int, int]]:
-        """For a persistent tier's close, when no transfer runs: give every ready host entry without a
-        disk copy a free disk slot as its clean copy, most recently used first, as far as free disk
-        slots go (nothing evicted). Returns ``(entry, host slot, disk slot)`` for the writes to make;
-        an entry whose write fails must be passed to :meth:`drop_disk_slot`."""
+        """For a persistent tier's close, when no transfer runs, so that a restart finds the newest entries:
+        give each ready host entry without a disk copy, most recently used first, a disk slot as its clean
+        copy. Host entries count as newer than every disk entry (the host tier holds those stored or
+        promoted last). The slot is a free one; else that of the disk's least recently used ready entry,
+        which is evicted (forgotten, counted in :attr:`evicted`); else the clean copy of an older host
+        entry, which is dropped (that entry would be lost before this one); never a slot a load or a
+        lease reads. It stops at the first entry that finds none. Returns ``(entry, host slot, disk
+        slot)`` for the writes to make, oldest first; an entry whose write fails must be passed to
+        :meth:`drop_disk_slot` (an entry evicted for it stays gone)."""
         with self._lock:
-            disk = self._tiers[DISK]
-            chosen: list[Entry] = []
-            for e in reversed(self._tiers[HOST].lru.values()):  # the most recently used first...
-                if len(chosen) == len(disk.free):
-                    break
-                if e.state is State.READY and e.clean_slot < 0:
-                    chosen.append(e)
+            host, disk = self._tiers
+            ready = State.READY
+            by_age = [e for e in host.lru.values() if e.state is ready]  # oldest first
+            evictable = iter(self._evictable(DISK, disk.size))  # a list: each eviction takes its entry out of the LRU
+            older = 0  # by_age[:older] have no clean copy left to give (none, dropped, or read)
             out: list[tuple[Entry, int, int]] = []
-            for e in reversed(chosen):  # ...listed oldest first, as the disk's order goes
-                slot = disk.take(e)
+            for i in range(len(by_age) - 1, -1, -1):  # the most recently used first
+                e = by_age[i]
+                if e.clean_slot >= 0:
+                    continue
+                if not disk.free:
+                    victim = next(evictable, None)
+                    if victim is not None:
+                        self._evict(victim)
+                    else:
+                        while older < i and (by_age[older].clean_slot < 0 or disk.readers[by_age[older].clean_slot]):
+                            older += 1
+                        if older >= i:
+                            break
+                        self._drop_clean_copy(by_age[older])
+                        older += 1
+                slot = disk.take(e)  # the slot just freed, if one was: unread, it went back to the pool at once
                 e.clean_slot = slot
                 self._clean[e.index_key] = e
                 out.append((e, e.slot, slot))
+            out.reverse()  # listed oldest first, as the disk's order goes
+            for e, _, _ in out:
+                self._clean.move_to_end(e.index_key)
             return out
 
     # -- removal --------------------------------------------------------------------

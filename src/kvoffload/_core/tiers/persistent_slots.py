@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..base.cache_identity import CacheIdentity, decode_key, encode_key
+from ..base.errors import OffloadError
 from ..base.diskfile import IOV_MAX, DiskFile
 from ..base.layout import runs
 from ..base.persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
@@ -90,8 +91,13 @@ class PersistentSlots:
         """Slot -> (sequence number, payload CRC32C, encoded key) of what it holds, as written or found."""
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
+        """Guards the slot sets below; never held across IO (the index calls :meth:`forget` under its lock)."""
+        self._slot_io_ended = threading.Condition(self._lock)
+        """Notified when a slot leaves :attr:`_voiding`."""
         self._writing: set[int] = set()
         """Slots an IO thread is writing now (a tombstone never lands on them meanwhile)."""
+        self._voiding: set[int] = set()
+        """Slots whose header is being voided now (a write of them waits for it)."""
         self._tombstones: list[int] = []
         """Slots whose headers are to be voided (:meth:`forget`)."""
         self._tombstoning = False
@@ -99,6 +105,8 @@ class PersistentSlots:
         self._changes = 0
         """Slot writes and tombstones so far (a checkpoint is due when this moved)."""
         self._checkpointed = -1
+        self._checkpoint_lock = threading.Lock()
+        """Held while a checkpoint is written: one at a time, none after the clean one of close."""
         self._closed = False
         self.checksum_failures = 0
         self.on_bad_slot: Callable[[int], object] = lambda slot: None
@@ -123,47 +131,68 @@ class PersistentSlots:
     # -- open ----------------------------------------------------------------------
 
     def open(self, pool: Executor) -> Recovered:
-        """Use the file: rebuild the entries of a reopened one whose identity matches, else start it
-        empty (logging why). IO runs on ``pool``."""
+        """Use the file: rebuild the entries of a reopened one whose identity matches; start a new
+        one, one never initialised (all zeros) or one whose header is damaged empty (logging why).
+        A file of another cache identity, another format or not kvoffload's is refused with
+        :class:`~..base.errors.OffloadError` and left exactly as it was. IO runs on ``pool``."""
         self._pool = pool
-        reason = "" if self.file.existed else "new file"
         found: FileHeader | None = None
+        reason = "new file"
         if self.file.existed:
+            first = self.file.read_bytes(0, HEADER_BYTES)
+            reason = "it was never initialised" if not any(first) else ""
             try:
-                found = FileHeader.parse(self.file.read_bytes(0, HEADER_BYTES))
-                if found.data_offset > HEADER_BYTES:
-                    found = FileHeader.parse(self.file.read_bytes(0, found.data_offset))
+                if not reason:
+                    n = FileHeader.length(first)
+                    found = FileHeader.parse(first if n <= HEADER_BYTES else self.file.read_bytes(0, n))
             except (ValueError, UnicodeDecodeError) as e:
+                if not str(e).startswith("its file header is damaged"):
+                    raise OffloadError(
+                        f"disk_path {self.file.path!r} is not a persistent disk file kvoffload can use ({e}); it was left "
+                        "as it is: remove it or choose another disk_path"
+                    ) from None
                 reason = str(e)
             if found is not None:
-                reason = self._mismatch(found)
-        if reason:
+                mismatch = self._mismatch(found)
+                if mismatch:
+                    raise OffloadError(
+                        f"disk_path {self.file.path!r} holds the persistent cache of another cache identity ({mismatch}); "
+                        "it was left as it is: give that identity, choose another disk_path (a directory gives each "
+                        "cache identity a file of its own), or remove the file to start it anew"
+                    )
+        if found is None:
             if self.file.existed:
                 log.warning("kvoffload: %s: started the persistent disk tier empty: %s", self.file.path, reason)
             self._initialise()
             return Recovered([], 0, reason)
-        assert found is not None
         self.header = FileHeader(self.slot_bytes, self.slots, found.epoch, found.identity_digest, found.identity_json)
         self.namespace = _namespace(found)
-        if found.slots != self.slots or self.file.nbytes != self.file_bytes:
-            self.file.resize(self.file_bytes)
-            if found.slots != self.slots:
-                self.file.write_bytes(self.header.pack(), 0)
-        recovered = self._rebuild(pool, min(found.slots, self.slots))
+        intact = max(0, (self.file.found_bytes - found.data_offset) // self.stride)
+        """Slots the file holds whole: a file cut shorter than its header says lost the slots past the cut."""
+        if intact < found.slots:
+            log.warning(
+                "kvoffload: %s: the file is %d bytes, shorter than the %d its header says: the %d slots past the cut are dropped",
+                self.file.path, self.file.found_bytes, found.data_offset + found.slots * self.stride, found.slots - intact,
+            )
+        self.file.resize(self.file_bytes)
+        if found.slots != self.slots:
+            self.file.write_bytes(self.header.pack(), 0)
+        recovered = self._rebuild(pool, min(found.slots, self.slots), intact)
         self._remove_stale_temporaries()
         return recovered
 
     def _mismatch(self, found: FileHeader) -> str:
-        """Why the file found cannot be used (``""``: it can)."""
-        if found.slot_bytes != self.slot_bytes:
-            return f"its slots are {found.slot_bytes} bytes, this cache's are {self.slot_bytes}"
+        """Why the file found holds another cache's blocks (``""``: it holds this cache's)."""
         if found.identity_digest == self.identity.digest:
             return ""
         try:
             theirs = CacheIdentity.from_json(found.identity_json)
         except ValueError:
             return "its cache identity is unreadable"
-        return "the cache identity differs: " + "; ".join(self.identity.differences(theirs) or ["(digest)"])
+        differences = self.identity.differences(theirs)
+        if found.slot_bytes != self.slot_bytes:
+            differences.append(f"slots of {self.slot_bytes} bytes here, {found.slot_bytes} there")
+        return "; ".join(differences or ["(digest)"])
 
     def _initialise(self) -> None:
         """Start the file empty: a new epoch, so no slot written before is valid."""
@@ -175,28 +204,42 @@ class PersistentSlots:
             os.unlink(self.checkpoint_path)
         self._remove_stale_temporaries()
 
-    def _rebuild(self, pool: Executor, slots: int) -> Recovered:
-        """Read every header; keep what the checkpoint vouches for or its CRC verifies."""
+    def _rebuild(self, pool: Executor, slots: int, intact: int) -> Recovered:
+        """Read every header of the first ``slots`` (of which the first ``intact`` are whole in the
+        file); keep what the checkpoint vouches for or its CRC verifies, one slot per key (the latest
+        write); void every other slot's header, so that nothing dropped now comes back later."""
         checkpoint = self._read_checkpoint()
         listed = {r.slot: r for r in checkpoint.records} if checkpoint is not None else {}
-        headers, dropped = self._read_headers(pool, slots)  # damaged headers are dropped slots
+        headers, dropped = self._read_headers(pool, min(slots, intact + 1))  # damaged headers are dropped slots
+        headers += [None] * (slots - len(headers))
         trusted: dict[int, SlotHeader] = {}
         unverified: list[tuple[int, SlotHeader]] = []
+        void: list[int] = []
+        """Slots holding a header of this file that is not kept."""
         for slot, h in enumerate(headers):
-            if h is None or h.namespace != self.namespace or h.payload_bytes != self.block_bytes:
+            if h is None or h.namespace != self.namespace:
                 continue  # empty, or written before the file was last started empty
             r = listed.get(slot)
-            if r is not None and (r.seq, r.payload_crc, r.key) == (h.seq, h.payload_crc, h.key):
+            if slot >= intact or h.payload_bytes != self.block_bytes or (r is not None and r.seq > h.seq):
+                void.append(slot)  # cut short, or older than the write the checkpoint saw land there (a lost write)
+            elif r is not None and (r.seq, r.payload_crc, r.key) == (h.seq, h.payload_crc, h.key):
                 trusted[slot] = h
             else:
                 unverified.append((slot, h))
+        dropped += len(void) + sum(1 for slot in listed if slots > slot >= intact and headers[slot] is None)
         good = self._verify_payloads(pool, unverified)
         dropped += len(unverified) - len(good)
-        # one slot per key: the latest write wins
+        kept_slots = {slot for slot, _ in good} | set(trusted)
+        void += [slot for slot, _ in unverified if slot not in kept_slots]
+        # one slot per key: the latest write wins; the older ones are voided
         best: dict[bytes, tuple[int, int]] = {}
         for slot, h in itertools.chain(trusted.items(), good):
             if h.key not in best or best[h.key][1] < h.seq:
+                if h.key in best:
+                    void.append(best[h.key][0])
                 best[h.key] = (slot, h.seq)
+            else:
+                void.append(slot)
         order = [r.slot for r in checkpoint.records] if checkpoint is not None else []
         rank = {slot: i for i, slot in enumerate(order)}
         kept = sorted(((slot, seq, key) for key, (slot, seq) in best.items()), key=lambda t: (t[0] not in rank, rank.get(t[0], 0), t[1]))
@@ -207,11 +250,13 @@ class PersistentSlots:
                 entries.append((decode_key(key), slot))
             except ValueError:
                 dropped += 1
+                void.append(slot)
                 continue
             h = all_headers[slot]
             self._written[slot] = (h.seq, h.payload_crc, h.key)
-        top = max([checkpoint.next_seq if checkpoint is not None else 1] + [h.seq + 1 for h in all_headers.values()])
+        top = max([checkpoint.next_seq if checkpoint is not None else 1] + [h.seq + 1 for h in headers if h is not None])
         self._seq = itertools.count(top)
+        self._void(sorted(set(void)), pool)
         log.info(
             "kvoffload: %s: reopened the persistent disk tier: %d entries (%d vouched for by the %s checkpoint, "
             "%d verified by checksum), %d slots dropped",
@@ -290,6 +335,8 @@ class PersistentSlots:
             written.append((slots[i], (seqs[i], crc, keys[i])))
         mine = [slots[i] for i in group]
         with self._lock:
+            while self._voiding.intersection(mine):  # a void of one of them runs: this write lands after it
+                self._slot_io_ended.wait()
             self._writing.update(mine)
         try:
             self.file.write(buffers, self.offset(slots[group[0]]))
@@ -336,8 +383,8 @@ class PersistentSlots:
 
     def forget(self, slot: int) -> None:
         """The entry in ``slot`` is gone (discarded, evicted, dropped) and the slot free: its header is
-        overwritten with zeros soon, on an IO thread, unless the slot is written again first. Takes no
-        lock but this object's: the index calls it under its own."""
+        overwritten with zeros soon, on an IO thread (or by :meth:`void_forgotten`), unless the slot
+        is written again first. Takes no lock but this object's, briefly: the index calls it under its own."""
         with self._lock:
             if self._written.pop(slot, None) is None:
                 return
@@ -348,9 +395,19 @@ class PersistentSlots:
             self._tombstoning = True
         try:
             self._pool.submit(self._write_tombstones)
-        except RuntimeError:  # closing: the final checkpoint leaves the slot out all the same
+        except RuntimeError:  # closing: close() voids what is left
             with self._lock:
                 self._tombstoning = False
+
+    def void_forgotten(self) -> None:
+        """Return once the header of every slot forgotten so far is voided on disk (written here, or by
+        the IO thread already writing it): after a discard, so that a process killed once
+        ``discard()`` returned never finds those keys again. Call it holding no lock, from any thread
+        but an IO thread."""
+        self._write_tombstones()
+        with self._lock:
+            while self._voiding:
+                self._slot_io_ended.wait()
 
     def write_tombstones_now(self) -> None:
         """At close, once no IO thread runs: void the headers still waiting for it (their job may
@@ -358,23 +415,43 @@ class PersistentSlots:
         self._write_tombstones()
 
     def _write_tombstones(self) -> None:
-        """(On an IO thread, or at close.) Void the headers of forgotten slots until none is left."""
-        zeros = mmap.mmap(-1, HEADER_BYTES)
-        try:
-            while True:
-                with self._lock:
-                    slots, self._tombstones = self._tombstones, []
-                    if not slots:
-                        self._tombstoning = False
-                        return
-                for s in slots:
-                    with self._lock:  # a write of the slot waits for this one, or this one is skipped
-                        if s not in self._written and s not in self._writing:
-                            self.file.write([zeros], self.offset(s))
-        except OSError:
+        """Void the headers of forgotten slots until none is left (on an IO thread, in
+        :meth:`void_forgotten` or at close). A slot written again meanwhile is skipped; one being
+        written is voided only once its write ended, so the later write always wins."""
+        while True:
             with self._lock:
-                self._tombstoning = False
-            log.warning("kvoffload: %s: could not void slot headers; their old entries may come back after a restart", self.file.path, exc_info=True)
+                queued, self._tombstones = self._tombstones, []
+                slots = sorted({s for s in queued if s not in self._written and s not in self._writing and s not in self._voiding})
+                if not queued:
+                    self._tombstoning = False
+                    return
+                self._voiding.update(slots)
+            try:
+                self._void(slots)
+            except OSError:
+                log.warning("kvoffload: %s: could not void slot headers; their old entries may come back after a restart", self.file.path, exc_info=True)
+            finally:
+                with self._lock:
+                    self._voiding.difference_update(slots)
+                    self._slot_io_ended.notify_all()
+
+    def _void(self, slots: Sequence[int], pool: Executor | None = None) -> None:
+        """Overwrite the header pages of ``slots`` with zeros, here or shared among ``pool``'s threads."""
+        zeros = mmap.mmap(-1, HEADER_BYTES)
+
+        def void_part(part: Sequence[int]) -> None:
+            for s in part:
+                self.file.write([zeros], self.offset(s))
+
+        try:
+            if pool is None:
+                void_part(slots)
+                return
+            per_job = max(1, -(-len(slots) // 16))
+            for f in [pool.submit(void_part, slots[i : i + per_job]) for i in range(0, len(slots), per_job)]:
+                f.result()
+        finally:
+            zeros.close()
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -388,41 +465,41 @@ class PersistentSlots:
 
     def write_checkpoint(self, entries: Iterable[tuple[Hashable, int]], *, clean: bool = False) -> int:
         """Write a checkpoint of ``entries`` (``(key, disk slot)``, least recently used first); returns
-        how many it lists. Entries whose slot does not hold their key's bytes yet are left out."""
-        with self._lock:
-            if self._closed and not clean:
+        how many it lists. Entries whose slot does not hold their key's bytes yet are left out. Holds
+        no lock a transfer, a lookup or a discard waits for while it writes."""
+        with self._checkpoint_lock:
+            if self._closed:
                 return 0
-            changes = self._changes
-            written = dict(self._written)
-        records: list[CheckpointRecord] = []
-        for key, slot in entries:
-            w = written.get(slot)
-            if w is None:
-                continue
-            try:
-                if encode_key(key) != w[2]:
+            with self._lock:
+                changes = self._changes
+                written = dict(self._written)
+            records: list[CheckpointRecord] = []
+            for key, slot in entries:
+                w = written.get(slot)
+                if w is None:
                     continue
-            except (TypeError, ValueError):
-                continue
-            records.append(CheckpointRecord(slot, w[0], w[1], w[2]))
-        data = Checkpoint(self.namespace, next(self._seq), clean, tuple(records)).pack()
-        with self._lock:
-            if self._closed and not clean:
-                return 0
+                try:
+                    if encode_key(key) != w[2]:
+                        continue
+                except (TypeError, ValueError):
+                    continue
+                records.append(CheckpointRecord(slot, w[0], w[1], w[2]))
+            data = Checkpoint(self.namespace, next(self._seq), clean, tuple(records)).pack()
             tmp = f"{self.checkpoint_path}.tmp-{secrets.token_hex(6)}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(data)
-                if clean:
-                    os.fsync(fd)
+                try:
+                    with os.fdopen(fd, "wb", closefd=False) as f:
+                        f.write(data)
+                    if clean:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.checkpoint_path)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.checkpoint_path)
             self._checkpointed = changes
             if clean:
                 self._closed = True

@@ -24,7 +24,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable, Iterable
 from typing import Any
 
 from ..base.cache_identity import CacheIdentity, encode_key
@@ -252,7 +252,7 @@ class TieredStorage:
                     self.disk.persistent.on_bad_slot = self.index.drop_disk_slot
                     self.disk.start_checkpoints(self.index.disk_copies)
         except BaseException:
-            self.close()
+            self.close(failed_start=True)
             raise
 
     def attach_remote(self, remote: RemoteTier) -> None:
@@ -459,7 +459,9 @@ class TieredStorage:
         """Read the remote keys into the slots reserved for them (after the spills that make room), copy
         them to the cache and publish them as local entries: those with disk slots (no host slot to be
         had) through the disk tier's load bounce buffer, the others straight into their host slots.
-        Then load the local keys as any load."""
+        Every remote block is fetched and checked before any reaches the cache (the host slots' first,
+        then :meth:`DiskTier.load_fetched`'s), so a failed fetch writes no cache block. Then load the
+        local keys as any load."""
         plan.taken = time.perf_counter()
         if after is not None:
             self.workers.load.copier.wait_for(after)
@@ -470,18 +472,19 @@ class TieredStorage:
         if fetched.reservation.spills:
             await self._spill(fetched)
         entries, to_disk = fetched.reservation.entries, fetched.reservation.to_disk
+        in_host = entries[to_disk:]
+        host = self.host
+        if in_host:
+            assert host is not None
+            await remote.fetch([e.key for e in in_host], [host.array[e.slot] for e in in_host])
         if to_disk:
             assert self.disk is not None
             pairs = [(e.slot, b) for e, b in zip(entries[:to_disk], fetched.block_ids)]
             await self.disk.load_fetched(pairs, [e.key for e in entries[:to_disk]], remote.fetch)
-            fetched.publish(to_disk)
-        if to_disk < len(entries):
-            host = self.host
+        if in_host:
             assert host is not None
-            in_host = entries[to_disk:]
-            await remote.fetch([e.key for e in in_host], [host.array[e.slot] for e in in_host])
             await host.copy_out([(e.slot, b) for e, b in zip(in_host, fetched.block_ids[to_disk:])])
-            fetched.publish(len(in_host))
+        fetched.publish(len(entries))
         if plan.pins:
             await self._run_load(plan, None)
         return plan.result()
@@ -598,8 +601,11 @@ class TieredStorage:
         return PersistentCounts(len(disk.recovered.entries), disk.recovered.dropped, p.checksum_failures)
 
     def _copy_host_entries_to_disk(self, deadline: Deadline) -> None:
-        """A persistent tier's close: write entries only in host memory to free disk slots (nothing
-        evicted), within ``deadline``, so that they are found again after a restart."""
+        """A persistent tier's close: write entries only in host memory to disk, the most recently used
+        first, within ``deadline``, so that they are found again after a restart: to free slots, then
+        to the slots of the disk's least recently used entries, which are evicted
+        (:meth:`BlockIndex.copy_host_entries_to_disk`). The final checkpoint, written next, lists
+        what is then on disk; an entry whose write failed is not kept."""
         disk, host = self.disk, self.host
         if disk is None or host is None or disk.persistent is None:
             return
@@ -615,6 +621,15 @@ class TieredStorage:
             for _, _, d in moves:
                 self.index.drop_disk_slot(d)
 
+    def discard(self, keys: Iterable[Hashable]) -> int:
+        """Forget ``keys`` (:meth:`BlockIndex.discard`); returns how many were present. With a
+        persistent disk tier, returns once the headers of the disk slots they freed are voided on disk."""
+        n = self.index.discard(keys)
+        disk = self.disk
+        if n and disk is not None and disk.persistent is not None:
+            disk.persistent.void_forgotten()
+        return n
+
     def disk_io(self) -> IoCalls | None:
         """The disk tier's system calls (the test seam), or None without a disk tier."""
         return self.disk.file.io if self.disk is not None else None
@@ -623,14 +638,16 @@ class TieredStorage:
         """The host slab and the disk tier's bounce buffers."""
         return ([self.host.buffer] if self.host is not None else []) + (self.disk.bounce_buffers() if self.disk is not None else [])
 
-    def close(self, timeout: float | None = 30.0) -> bool:
-        """Free both tiers (no copy may be running); False if the disk's IO threads are stuck."""
+    def close(self, timeout: float | None = 30.0, *, failed_start: bool = False) -> bool:
+        """Free both tiers (no copy may be running); False if the disk's IO threads are stuck. After a
+        ``failed_start`` a persistent disk file this start created is removed (:meth:`DiskTier.close`)."""
         ok = True
         disk = self.disk
         if disk is not None:
             deadline = Deadline(timeout)
-            self._copy_host_entries_to_disk(deadline)
-            ok = disk.close(deadline.left())
+            if not failed_start:
+                self._copy_host_entries_to_disk(deadline)
+            ok = disk.close(deadline.left(), failed_start=failed_start)
             self._disk_io_left = disk.file.io_counts()
             self._persistent_left = self._persistent_counts(disk)
             self.disk = None

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,7 +46,7 @@ from .value_format import (
 if TYPE_CHECKING:
     from .store_protocol import BlockBuffer
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisStore", "check_url"]
 
 log = logging.getLogger("kvoffload.remote")
 
@@ -54,6 +55,8 @@ _T = TypeVar("_T")
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SCHEMES = {"redis", "rediss", "unix"}
+_USERINFO = re.compile(r"//[^/@]*@")
+"""The user and password part of a URL (masked in messages)."""
 _MAX_WINDOW_KEYS = 512
 # Errors that mean "the remote cannot serve this call": the network, the server's state, the
 # cluster's topology. A per-command ResponseError (WRONGTYPE, OOM) is an answer about one key.
@@ -564,3 +567,20 @@ class _Backoff:
         self._wait_s = 0.0
         self._round += 1
         return True
+
+
+def check_url(url: str) -> None:
+    """``url`` as the remote tier takes it at start(), checked now without connecting: its scheme, then
+    the client made from it as the store makes it (host, port, db, query arguments), then dropped."""
+    schemes = ", ".join(f"{s}://" for s in (*sorted(_SCHEMES), *sorted(_CLUSTER_SCHEMES)))
+    try:
+        shown, scheme = repr(_redacted(url)), urlsplit(url).scheme
+    except ValueError as e:  # such as an unclosed '[' of an IPv6 host
+        raise ValueError(f"remote={_USERINFO.sub('//***@', url)!r} is not a URL ({e}): the remote tier takes {schemes} URLs") from None
+    if scheme not in _SCHEMES and scheme not in _CLUSTER_SCHEMES:
+        what = f"the scheme {scheme!r}" if scheme else "no scheme"
+        raise ValueError(f"remote={shown} has {what}: the remote tier takes {schemes} URLs")
+    try:
+        _client_from_url(url, 5.0, 1.0)  # no connection is opened until a command is sent
+    except (ValueError, TypeError, RedisError, RedisClusterException) as e:
+        raise ValueError(f"remote={shown} is not a Redis URL the remote tier can use ({e}); it takes {schemes} URLs") from None
