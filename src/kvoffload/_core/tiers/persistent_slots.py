@@ -27,6 +27,7 @@ Formats: :mod:`..persistent_format`. What holds, and why:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -56,6 +57,10 @@ log = logging.getLogger("kvoffload")
 
 CHECKPOINT_INTERVAL_S = 5.0
 """Seconds between background checkpoints (written only when something changed)."""
+
+
+_VOIDS_PER_JOB = 64
+"""Header voids an IO thread makes in one go when many slots are voided at once."""
 
 
 @dataclass(frozen=True)
@@ -404,7 +409,7 @@ class PersistentSlots:
         the IO thread already writing it): after a discard, so that a process killed once
         ``discard()`` returned never finds those keys again. Call it holding no lock, from any thread
         but an IO thread."""
-        self._write_tombstones()
+        self._write_tombstones(self._pool)
         with self._lock:
             while self._voiding:
                 self._slot_io_ended.wait()
@@ -414,10 +419,11 @@ class PersistentSlots:
         have been cancelled with the IO pool)."""
         self._write_tombstones()
 
-    def _write_tombstones(self) -> None:
+    def _write_tombstones(self, pool: Executor | None = None) -> None:
         """Void the headers of forgotten slots until none is left (on an IO thread, in
-        :meth:`void_forgotten` or at close). A slot written again meanwhile is skipped; one being
-        written is voided only once its write ended, so the later write always wins."""
+        :meth:`void_forgotten` or at close), many of them shared among ``pool``'s threads. A slot
+        written again meanwhile is skipped; one being written is voided only once its write ended,
+        so the later write always wins."""
         while True:
             with self._lock:
                 queued, self._tombstones = self._tombstones, []
@@ -427,7 +433,7 @@ class PersistentSlots:
                     return
                 self._voiding.update(slots)
             try:
-                self._void(slots)
+                self._void(slots, pool if len(slots) >= _VOIDS_PER_JOB else None)
             except OSError:
                 log.warning("kvoffload: %s: could not void slot headers; their old entries may come back after a restart", self.file.path, exc_info=True)
             finally:
@@ -447,8 +453,15 @@ class PersistentSlots:
             if pool is None:
                 void_part(slots)
                 return
-            per_job = max(1, -(-len(slots) // 16))
-            for f in [pool.submit(void_part, slots[i : i + per_job]) for i in range(0, len(slots), per_job)]:
+            parts = []
+            for i in range(0, len(slots), _VOIDS_PER_JOB):
+                try:
+                    parts.append(pool.submit(void_part, slots[i : i + _VOIDS_PER_JOB]))
+                except RuntimeError:  # the pool is shutting down: the rest here, then
+                    void_part(slots[i:])
+                    break
+            concurrent.futures.wait(parts)  # all of them ended before any error is raised: none writes later
+            for f in parts:
                 f.result()
         finally:
             zeros.close()
