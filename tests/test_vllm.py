@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 import kvoffload  # noqa: E402
-from kvoffload._testing import copy_calls, disk_file_stat  # noqa: E402
+from kvoffload._testing import copy_calls, disk_file_location, disk_file_stat  # noqa: E402
 
 NUM_BLOCKS = 64
 PAGE = 3 * 1024  # bytes per GPU block per layer tensor: not a multiple of 4096 on purpose
@@ -413,3 +413,15 @@ def test_engines_sharing_a_disk_path_never_share_a_file(tmp_path):
         for w in workers:
             w.shutdown()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_as_disk_path_holds_each_ranks_file(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    spec = OffloadingSpecFactory.create_spec(config_of({"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "nvme")}))
+    worker = spec.get_worker(canonical_caches(seed=0))
+    try:
+        assert worker.disk_path == str(tmp_path / "nvme" / "kv.dp0.rank_0")  # in the directory, never beside it
+        assert os.path.dirname(disk_file_location(worker.offloader)) == str(tmp_path / "nvme")
+    finally:
+        worker.shutdown()
+    assert os.listdir(tmp_path) == ["nvme"] and os.listdir(tmp_path / "nvme") == []
