@@ -186,7 +186,7 @@ def test_another_identity_is_refused_and_the_file_left_as_it_was(tmp_path):
     f.write(random_rows(1, f.layout.slot_bytes), [0], [b"a"])
     f.close(entries=[(b"a", 0)])
     before = path.read_bytes()
-    for kw, said in (({"fingerprint": "model-b"}, "fingerprint: 'model-b' here, 'model-a' there"), ({"width": 4200}, "slots of")):
+    for kw, said in (({"fingerprint": "model-b"}, "fingerprint: 'model-b' here, 'model-a' there"), ({"width": 4200}, "slot_bytes")):
         with pytest.raises(OffloadError, match="another cache identity") as ei:
             Opened(path, **kw)
         assert said in str(ei.value) and "left as it is" in str(ei.value)

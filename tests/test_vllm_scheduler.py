@@ -7,7 +7,9 @@ as the model runner does: ``schedule()``, then the worker connector's ``handle_p
 ``start_load_kv``, the forward pass, ``wait_for_save``, ``get_finished``, then
 ``update_from_output``. The "forward pass" writes each block it computes with bytes derived
 from the block's hash and the weights' version; blocks a load will write are poisoned first,
-and every loaded block is checked byte for byte once its load has landed.
+every loaded block is checked byte for byte once its load has landed (unless the connector
+reported it as a load error), and every full prompt block of a request that finishes is checked
+byte for byte as the request finishes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvoffload._testing import copy_calls  # noqa: E402
@@ -80,7 +82,7 @@ class Engine:
     """vLLM's Scheduler and a worker-side connector over CPU KV tensors, stepped as the model runner steps them."""
 
     def __init__(self, tmp_path: Any, extra: dict[str, Any], *, num_gpu_blocks: int = 64,
-                 connector: str = "KvoffloadConnector") -> None:
+                 connector: str = "KvoffloadConnector", load_failure_policy: str = "fail") -> None:
         model_dir = tmp_path / "model"
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps({
@@ -98,7 +100,8 @@ class Engine:
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=connector, kv_connector_module_path="kvoffload.vllm" if connector.startswith("Kvoffload") else None,
-                kv_role="kv_both", kv_connector_extra_config={"blocks_per_chunk": BPC, **extra}),
+                kv_role="kv_both", kv_connector_extra_config={"blocks_per_chunk": BPC, **extra},
+                kv_load_failure_policy=load_failure_policy),
         )
         self.config.cache_config.num_gpu_blocks = num_gpu_blocks
         kv_cache_config = KVCacheConfig(
@@ -119,6 +122,12 @@ class Engine:
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.loads_checked = 0
         self.loaded_blocks: dict[str, int] = {}
+        self.load_jobs: collections.Counter[str] = collections.Counter()
+        """Load jobs per request id."""
+        self.failed_loads = 0
+        """Loads whose blocks the connector reported as load errors (not checked: vLLM recomputes them)."""
+        self.contexts_checked: set[str] = set()
+        """Requests that finished with every full prompt block holding the bytes the model computes."""
         self._async_loads: dict[str, list[Any]] = {}
         self._jobs_seen: set[int] = set()
         self._jobs_done: set[int] = set()
@@ -152,7 +161,10 @@ class Engine:
     def expected(self, block_hash: bytes) -> list[torch.Tensor]:
         return [block_bytes(self.version, block_hash, i) for i in range(len(LAYERS))]
 
-    def _check_load(self, job: Any) -> None:
+    def _check_load(self, job: Any, load_errors: set[int]) -> None:
+        if load_errors & set(job.dst_spec.block_ids.tolist()):
+            self.failed_loads += 1
+            return
         req = self.scheduler.requests[job.req_id]
         first = int(job.dst_spec.block_indices[0])
         for i, block_id in enumerate(job.dst_spec.block_ids.tolist()):
@@ -169,6 +181,7 @@ class Engine:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         self._jobs_seen |= set(meta.load_jobs) | set(meta.store_jobs)
+        self.load_jobs.update(job.req_id for job in meta.load_jobs.values())
         wc = self.worker_connector
         wc.handle_preemptions(meta)
         wc.bind_connector_metadata(meta)
@@ -176,19 +189,22 @@ class Engine:
             for page in self.pages:
                 page[torch.as_tensor(job.dst_spec.block_ids, dtype=torch.long)] = 0x5A
         wc.start_load_kv(None)
+        sync_loads = [job for job in meta.load_jobs.values() if job.sync]  # waited for inside start_load_kv
         for job in meta.load_jobs.values():
-            if job.sync:
-                self._check_load(job)  # waited for inside start_load_kv
-            else:
+            if not job.sync:
                 self._async_loads.setdefault(job.req_id, []).append(job)
         self._forward(out)
         if wait_when_idle and out.total_num_scheduled_tokens == 0:
             self.worker.wait(self._jobs_seen - self._jobs_done)
         wc.wait_for_save()
-        finished_sending, finished_recving = wc.get_finished(out.finished_req_ids)
-        for req_id in finished_recving or ():
+        # as vLLM's model runner asks: results, then the load errors of the same pass
+        results = wc.get_transfer_results(out.finished_req_ids)
+        load_errors = wc.get_block_ids_with_load_errors()
+        for job in sync_loads:
+            self._check_load(job, load_errors)
+        for req_id in results.finished_recving:
             for job in self._async_loads.pop(req_id, []):
-                self._check_load(job)
+                self._check_load(job, load_errors)
         worker_meta = wc.build_connector_worker_meta()
         if worker_meta is not None:
             self._jobs_done |= set(worker_meta.completed_jobs)
@@ -200,10 +216,16 @@ class Engine:
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=finished_sending or None, finished_recving=finished_recving or None,
-                kv_connector_stats=stats, kv_connector_worker_meta=worker_meta),
+                finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
+                kv_connector_stats=stats, kv_connector_worker_meta=worker_meta, invalid_block_ids=load_errors,
+                failed_recving=results.failed_recving),
         )
+        # the block tables as this step's forward pass read them: a request that finishes frees its blocks
+        contexts = {r: (self.scheduler.requests[r], self.scheduler.kv_cache_manager.get_block_ids(r)[0]) for r in req_ids}
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        for req, block_ids in contexts.values():
+            if req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                self._check_context(req, block_ids)
         for outputs in engine_outputs.values():
             sched_stats = outputs.scheduler_stats
             if sched_stats is None:
@@ -213,6 +235,16 @@ class Engine:
             if sched_stats.connector_prefix_cache_stats is not None:
                 self.hit_sources.update(sched_stats.connector_prefix_cache_stats.hits_by_source)
         return out
+
+    def _check_context(self, req: Request, block_ids: list[int]) -> None:
+        """Every full prompt block of a request that finished holds what the model computes for it."""
+        for b in range(req.num_prompt_tokens // BLOCK):
+            want = self.expected(req.block_hashes[b])
+            for layer, page in enumerate(self.pages):
+                assert torch.equal(page[block_ids[b]], want[layer]), (
+                    f"{req.request_id} finished with block {b} (GPU block {block_ids[b]}) of layer {layer} not holding "
+                    f"the bytes computed under weights v{self.version}")
+        self.contexts_checked.add(req.request_id)
 
     def _forward(self, out: Any) -> None:
         """Write what the model computes: every block whose last token was computed this step."""
@@ -500,3 +532,100 @@ def test_a_plain_offloading_connector_runs_the_same_backend(make_engine: Callabl
     assert hits(engine, r) == 2 * BPC * BLOCK and engine.loads_checked == 1
     assert not any(Metric.LOADED_BLOCKS in p["data"] for p in engine.stats)  # the workers' figures need KvoffloadConnector
     assert any(Metric.LOADED_CHUNKS in p["data"] for p in engine.stats)
+
+
+FAILED_LOADS = {
+    "copy": ("host", "to_device"),  # the copy into the cache fails
+    "disk-read": ("host+disk", "preadv"),  # the chunks are on disk; reading them fails
+    "missing": ("host", None),  # the worker's offloader lost the chunks (a load of a key it does not hold)
+    "sync-load": ("host", "to_device"),  # a load the request waits for in its step (sync_load_budget_bytes)
+}
+
+
+def fail_loads(engine: Engine, faults: Any, case: str) -> Any:
+    """Make every load of the engine's stored chunks fail, as ``FAILED_LOADS[case]`` says; returns the fault."""
+    _, path = FAILED_LOADS[case]
+    if path is None:
+        worker = engine.worker
+        assert worker.offloader.discard(worker._blocks_of(engine.manager.generation, engine.manager.stored_keys()))
+        return None
+    return faults.fail(engine.worker.offloader, path, OSError(5, "injected IO error"))
+
+
+@pytest.mark.parametrize("case", list(FAILED_LOADS))
+def test_a_failed_load_is_recomputed_and_its_chunks_are_not_offered_again(
+    make_engine: Callable[..., Engine], tmp_path: Any, faults: Any, case: str,
+) -> None:
+    extra = tiers(FAILED_LOADS[case][0], tmp_path)
+    if case == "sync-load":
+        extra["sync_load_budget_bytes"] = 1 << 30
+    engine = make_engine(extra, load_failure_policy="recompute")
+    a = prompt(110, chunks=2)
+    engine.run(a)
+    if case == "disk-read":
+        engine.run(prompt(111, chunks=2))  # pushes a's chunks out of host memory, onto disk
+    engine.drop_gpu_prefix_cache()
+    fault = fail_loads(engine, faults, case)
+    (r,) = engine.run(a + [1])  # vLLM 0.33 asserts on a load reported failed: that ended the engine
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert fault is None or fault.injected
+    assert engine.failed_loads == 1 and hits(engine, r) == 0
+    assert r.request_id in engine.contexts_checked  # recomputed: its blocks hold the model's bytes
+    assert engine.load_jobs[r.request_id] == 1, "the chunks whose load failed were offered again"
+    assert engine.counter(Metric.FAILED_JOBS, ("load",)) == 1
+    if fault is not None:
+        fault.active = False
+    # The engine serves on. An async load's request is looked up again after the failure (finding
+    # nothing) and stores its recomputed chunks; vLLM does not store again what a sync load covered.
+    engine.drop_gpu_prefix_cache()
+    (again,) = engine.run(a + [2])
+    assert again.status == RequestStatus.FINISHED_STOPPED and again.request_id in engine.contexts_checked
+    assert hits(engine, again) == (0 if case == "sync-load" else 2 * BPC * BLOCK)
+    engine.drop_gpu_prefix_cache()
+    (last,) = engine.run(a + [3])
+    assert hits(engine, last) == 2 * BPC * BLOCK and last.request_id in engine.contexts_checked
+    s = engine.worker.offloader.stats()
+    assert (s.evicted, s.in_flight) == (0, 0), s
+    assert s.host_ready + s.disk_ready == len(engine.manager.stored_keys()) * BPC, "the worker holds chunks the manager forgot"
+
+
+def test_with_policy_fail_a_failed_load_fails_its_request_and_the_engine_serves_on(
+    make_engine: Callable[..., Engine], tmp_path: Any, faults: Any,
+) -> None:
+    engine = make_engine({"host_blocks": 16}, load_failure_policy="fail")
+    a, b = prompt(120, chunks=2), prompt(121, chunks=2)
+    engine.run(a)
+    engine.drop_gpu_prefix_cache()
+    fault = fail_loads(engine, faults, "copy")
+    failed, computed = engine.run(a + [1], b)
+    assert fault.injected and engine.failed_loads == 1
+    assert failed.status == RequestStatus.FINISHED_ERROR
+    assert computed.status == RequestStatus.FINISHED_STOPPED and computed.request_id in engine.contexts_checked
+    fault.active = False
+    engine.drop_gpu_prefix_cache()
+    (later,) = engine.run(a + [2])  # the failed chunks are forgotten: computed, and stored again
+    assert later.status == RequestStatus.FINISHED_STOPPED and hits(engine, later) == 0
+    assert later.request_id in engine.contexts_checked
+    engine.drop_gpu_prefix_cache()
+    (last,) = engine.run(a + [3])
+    assert hits(engine, last) == 2 * BPC * BLOCK and engine.loads_checked == 1
+    assert engine.load_jobs[failed.request_id] == 1
+
+
+def test_a_failed_store_costs_neither_the_engine_nor_a_later_request(
+    make_engine: Callable[..., Engine], tmp_path: Any, faults: Any,
+) -> None:
+    engine = make_engine({"host_blocks": 16})
+    fault = faults.fail(engine.worker.offloader, "to_host", OSError(5, "injected IO error"))
+    a = prompt(130, chunks=2)
+    (r,) = engine.run(a)  # vLLM 0.33 asserts on a store reported failed too
+    assert fault.injected and r.status == RequestStatus.FINISHED_STOPPED
+    assert engine.counter(Metric.FAILED_JOBS, ("store",)) >= 1
+    assert engine.manager.stored_keys() == [], "a chunk whose store failed is offered"
+    fault.active = False
+    engine.drop_gpu_prefix_cache()
+    (again,) = engine.run(a + [1])
+    assert hits(engine, again) == 0 and len(engine.manager.stored_keys()) == 2
+    engine.drop_gpu_prefix_cache()
+    (last,) = engine.run(a + [2])
+    assert hits(engine, last) == 2 * BPC * BLOCK and engine.loads_checked == 1

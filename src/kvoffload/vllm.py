@@ -99,7 +99,8 @@ from . import CapacityError, Offloader, Options, Transfer
 from . import _parse_size as parse_size
 from . import _slot_bytes_for as slot_bytes_for
 
-__all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "parse_extra_config"]
+__all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "JobFailure",
+           "parse_extra_config"]
 
 # -- configuration ------------------------------------------------------------------------
 
@@ -382,6 +383,13 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._step_evictions: dict[OffloadKey, None] = {}
         """Chunks evicted during this scheduler step, in order: every store spec of the step carries
         them, and none of them is stored again before the step ends (a later spec would discard it)."""
+        self._failed: set[OffloadKey] = set()
+        """Stored chunks a load of failed: never offered again, forgotten once no load pins them."""
+        self._failed_stores: set[OffloadKey] = set()
+        """Chunks being stored whose store failed on a worker: vLLM completes the store as a success."""
+        self._to_discard: dict[OffloadKey, None] = {}
+        """Chunks forgotten after a failed job, which workers may still hold: the next store spec
+        carries them to the workers, which discard them before it stores."""
         self._stats = _new_stats() if _stats_available() else None
 
     def _free(self) -> int:
@@ -398,7 +406,8 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._ready:
-            return LookupResult.HIT
+            # vLLM asks again for a request whose load failed: offering the chunk again would loop
+            return LookupResult.MISS if key in self._failed else LookupResult.HIT
         return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -426,8 +435,33 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         for k in keys:
             if self._pins[k] <= 1:
                 self._pins.pop(k, None)  # also a load prepared before a reset
+                if k in self._failed:
+                    self._forget(k)
             else:
                 self._pins[k] -= 1
+
+    def job_failed(self, failure: JobFailure) -> None:
+        """A worker could not do a job (``KvoffloadConnector`` passes it on before vLLM completes the
+        job). A failed load's chunks are not offered again, and are forgotten once no load pins
+        them (another rank may still read them: their slots stay counted until then); a failed
+        store's chunks do not become stored. Workers discard their copies before the next store."""
+        if failure.generation != self.generation:
+            return  # a reset since forgot every chunk of the job
+        if failure.kind == "store":
+            self._failed_stores.update(k for k in failure.keys if k in self._storing)
+            return
+        for k in failure.keys:
+            if k in self._ready:
+                self._failed.add(k)
+                if not self._pins[k]:
+                    self._forget(k)
+
+    def _forget(self, key: OffloadKey) -> None:
+        """Drop a stored chunk a job failed on; the workers discard it before their next store."""
+        del self._ready[key]
+        self._on_host.pop(key, None)
+        self._failed.discard(key)
+        self._to_discard[key] = None
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # A chunk evicted this step waits for the next one: this step's later specs discard it.
@@ -449,9 +483,17 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
             self._count(Metric.EVICTED_CHUNKS, len(evicted))
         self._storing.update(new)
         self._step_evictions.update(dict.fromkeys(evicted))
+        # Chunks forgotten after failed jobs: this spec discards them (vLLM drops a spec that stores
+        # nothing: then a later one does). One it stores again is discarded by this spec alone, first.
+        restored: list[OffloadKey] = []
+        if new and self._to_discard:
+            again = set(new)
+            restored = [k for k in self._to_discard if k in again]
+            self._step_evictions.update((k, None) for k in self._to_discard if k not in again)
+            self._to_discard = {}
         if self.host_capacity:
             self._place_on_host(new)
-        spec = KeysSpec(new, list(self._step_evictions), self.generation)
+        spec = KeysSpec(new, [*self._step_evictions, *restored], self.generation)
         return PrepareStoreOutput(keys_to_store=new, store_spec=spec, evicted_keys=evicted)
 
     def _place_on_host(self, new: list[OffloadKey]) -> None:
@@ -474,10 +516,12 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         for k in keys:
             if k in self._storing:
                 self._storing.discard(k)
-                if success:
+                if success and k not in self._failed_stores:
                     self._ready[k] = None
                 else:
+                    self._failed_stores.discard(k)
                     self._on_host.pop(k, None)
+                    self._to_discard[k] = None  # ranks whose part of the store succeeded hold it
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -493,6 +537,9 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._pins.clear()
         self._on_host.clear()
         self._step_evictions = {}
+        self._failed.clear()
+        self._failed_stores.clear()
+        self._to_discard = {}
         self.generation += 1
         self._count(Metric.RESETS)
 
@@ -526,6 +573,19 @@ def _stats_available() -> bool:
 
 # -- the worker (one per rank) ----------------------------------------------------------------
 
+@dataclass(frozen=True)
+class JobFailure:
+    """A job a worker could not do, as the scheduler side learns of it (``KvoffloadConnector``)."""
+
+    kind: str
+    """``"load"`` or ``"store"``."""
+    generation: int
+    keys: tuple[OffloadKey, ...]
+    """Every chunk key of the job: a failed transfer does not say which of its blocks it wrote."""
+    block_ids: tuple[int, ...] = ()
+    """A load's GPU blocks, any of them possibly unwritten: what vLLM must recompute."""
+
+
 @dataclass(eq=False)
 class _StoreJob:
     """A store job waiting to start: one offloader store of all its blocks (a job larger than host
@@ -533,6 +593,8 @@ class _StoreJob:
 
     job_id: int
     generation: int
+    keys: tuple[OffloadKey, ...]
+    """The chunk keys it stores (for the manager, should it fail)."""
     blocks: dict[Hashable, int]
     """Offloader key -> GPU block id, in order."""
     evicted: list[Hashable]
@@ -556,8 +618,17 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self.offloader = _start_offloader(tensors, host_blocks, disk_blocks, disk_file, options)
         self.disk_path = self.offloader.options.disk_path
         """The disk path this rank's offloader was given (None without a disk tier)."""
+        self.reports_failures = False
+        """Set by ``KvoffloadConnector``: a failed job is then reported to vLLM as ended (``success=True``)
+        and handed to :meth:`take_failures`, which the connector turns into vLLM's load errors and
+        the manager's knowledge. Otherwise it is reported with ``success=False``, which vLLM 0.33's
+        plain ``OffloadingConnector`` asserts on (that ends the engine, rather than serve bad KV)."""
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
+        self._failures: list[JobFailure] = []
+        """Failures of the jobs in ``_finished``: handed over with them, by get_finished."""
+        self._handed_failures: list[JobFailure] = []
+        """Failures of the jobs get_finished handed over, until take_failures."""
         self._reported: dict[int, threading.Event] = {}
         """Jobs submitted and not yet handed over by get_finished; each event is set once its result is in _finished."""
         self._loads: dict[int, Transfer] = {}
@@ -618,13 +689,19 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         with self._lock:
             self._reported[job_id] = threading.Event()
 
-    def _report(self, job_id: int, kind: str, ok: bool, started: float, nbytes: int | None = None) -> None:
+    def _report(self, job_id: int, kind: str, ok: bool, started: float, nbytes: int | None = None,
+                failure: JobFailure | None = None) -> None:
+        """Report a job's end; ``failure`` describes it should it have failed (``ok=False``)."""
         seconds = time.perf_counter() - started
         with self._lock:
-            self._finished.append(TransferResult(job_id, ok, nbytes, seconds if nbytes is not None else None))
-            self._job_seconds.append((kind, seconds))
+            success = ok
             if not ok:
                 self._failed[kind] += 1
+                if self.reports_failures and failure is not None:
+                    self._failures.append(failure)
+                    success = True  # the connector tells vLLM's scheduler instead: vLLM asserts on success=False
+            self._finished.append(TransferResult(job_id, success, nbytes, seconds if nbytes is not None else None))
+            self._job_seconds.append((kind, seconds))
             reported = self._reported.get(job_id)
         if reported is not None:
             reported.set()
@@ -645,7 +722,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         after = torch.cuda.Event() if self.cuda else None
         if after is not None:
             after.record()
-        job = _StoreJob(job_id, dst_spec.generation, self._gpu_blocks(dst_spec, src_spec),
+        job = _StoreJob(job_id, dst_spec.generation, tuple(dst_spec.keys), self._gpu_blocks(dst_spec, src_spec),
                         self._blocks_of(dst_spec.generation, dst_spec.evicted), after, started)
         with self._lock:
             self._stores.append(job)
@@ -702,7 +779,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
                 if e.requested > e.capacity:  # can never fit: a bug of the sizes, not a wait (never expected here)
                     with self._lock:
                         self._stores.popleft()
-                    self._report(job.job_id, "store", False, job.started)
+                    self._report(job.job_id, "store", False, job.started, failure=self._store_failure(job))
                     continue
                 # running loads (or stores) hold the slots: wait for one to end
                 if not job.waited:
@@ -713,7 +790,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             except Exception:
                 with self._lock:
                     self._stores.popleft()
-                self._report(job.job_id, "store", False, job.started)
+                self._report(job.job_id, "store", False, job.started, failure=self._store_failure(job))
                 continue
             with self._lock:
                 self._stores.popleft()
@@ -737,8 +814,12 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         with self._lock:
             del self._running_stores[t]
             self._unsettled.discard(t)
-        self._report(job.job_id, "store", ok, job.started, t.result().nbytes if ok else None)
+        self._report(job.job_id, "store", ok, job.started, t.result().nbytes if ok else None, self._store_failure(job))
         self._pump()
+
+    @staticmethod
+    def _store_failure(job: _StoreJob) -> JobFailure:
+        return JobFailure("store", job.generation, job.keys)
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -747,17 +828,19 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         started = time.perf_counter()
         self._begin(job_id)
         self._enter_generation(src_spec.generation)
+        blocks = self._gpu_blocks(src_spec, dst_spec)
+        failure = JobFailure("load", src_spec.generation, tuple(src_spec.keys), tuple(blocks.values()))
         try:
-            transfer = self.offloader.load(self._gpu_blocks(src_spec, dst_spec), expedited=expedited)
-        except Exception:
-            self._report(job_id, "load", False, started)
+            transfer = self.offloader.load(blocks, expedited=expedited)
+        except Exception:  # a missing key (MissingKeysError), a closed offloader
+            self._report(job_id, "load", False, started, failure=failure)
             return True
 
         def ended(t: Transfer) -> None:
             ok = not t.cancelled() and t.exception() is None
             with self._lock:
                 self._loads.pop(job_id, None)
-            self._report(job_id, "load", ok, started, t.result().nbytes if ok else None)
+            self._report(job_id, "load", ok, started, t.result().nbytes if ok else None, failure)
             self._pump()  # a store may wait for the slots this load held
 
         with self._lock:
@@ -772,7 +855,16 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             done, self._finished = self._finished, []
             for r in done:
                 self._reported.pop(r.job_id, None)
+            self._handed_failures += self._failures  # in the same pass as their jobs' results
+            self._failures = []
         return done
+
+    def take_failures(self) -> list[JobFailure]:
+        """The failures of the jobs :meth:`get_finished` handed over since the last call (only with
+        ``reports_failures``: otherwise they were reported with ``success=False``)."""
+        with self._lock:
+            taken, self._handed_failures = self._handed_failures, []
+        return taken
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until every job in ``job_ids`` has ended; ``get_finished`` then reports them."""
@@ -844,10 +936,34 @@ def _start_offloader(
 _SPEC_DEFAULTS = {"spec_name": "KvoffloadSpec", "spec_module_path": __name__}
 
 
+@functools.cache
+def _worker_metadata_class() -> type:
+    """``KvoffloadWorkerMetadata``, built on first use (as ``KvoffloadConnector``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    @dataclass
+    class KvoffloadWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
+        """vLLM's worker-to-scheduler report of ended jobs, with the jobs that failed."""
+
+        failures: list[JobFailure] = field(default_factory=list)
+
+        def aggregate(self, other: Any) -> Any:  # vLLM merges the ranks' reports of a step
+            merged = super().aggregate(other)
+            return KvoffloadWorkerMetadata(merged.completed_jobs, merged.transfer_stats,
+                                           [*self.failures, *getattr(other, "failures", ())])
+
+    # pickled by name from the workers to the scheduler: found through the module's __getattr__
+    KvoffloadWorkerMetadata.__module__ = __name__
+    KvoffloadWorkerMetadata.__qualname__ = "KvoffloadWorkerMetadata"
+    return KvoffloadWorkerMetadata
+
+
 def _connector_class() -> type:
     """``KvoffloadConnector``, built on first use: importing vLLM's connector pulls in vLLM's
     whole engine, which a spec built by hand does not need."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    metadata_class = _worker_metadata_class()
 
     def with_spec(vllm_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -856,15 +972,66 @@ def _connector_class() -> type:
 
     class KvoffloadConnector(OffloadingConnector):  # type: ignore[misc]
         """vLLM's ``OffloadingConnector`` with kvoffload as its spec (no ``spec_name`` needed),
-        adding each rank's figures (tiers, spills, disk IO, job latency) to vLLM's metrics."""
+        adding each rank's figures (tiers, spills, disk IO, job latency) to vLLM's metrics, and
+        reporting failed jobs so that they cost the request (``kv_load_failure_policy``), not the
+        engine: a failed load's GPU blocks through ``get_block_ids_with_load_errors``, and every
+        failure to the manager through the workers' metadata."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             with_spec(vllm_config)
             super().__init__(vllm_config, role, kv_cache_config)
+            self._load_errors: set[int] = set()
+            """GPU blocks of failed loads handed over by get_finished, for get_block_ids_with_load_errors."""
+            self._failures: list[JobFailure] = []
+            """Failures handed over by get_finished, for the next worker metadata."""
+
+        def _kvoffload_worker(self) -> KvoffloadWorker | None:
+            worker = self.connector_worker.worker if self.connector_worker is not None else None
+            return worker if isinstance(worker, KvoffloadWorker) else None
+
+        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            super().register_kv_caches(kv_caches)  # builds the worker
+            worker = self._kvoffload_worker()
+            if worker is not None:
+                worker.reports_failures = True
+
+        def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+            done = super().get_finished(finished_req_ids)
+            worker = self._kvoffload_worker()
+            if worker is not None:
+                # vLLM asks for the load errors right after, in the pass that reports the load ended
+                failures = worker.take_failures()
+                self._load_errors.update(b for f in failures if f.kind == "load" for b in f.block_ids)
+                self._failures += failures
+            return done
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+        def build_connector_worker_meta(self) -> Any:
+            meta = super().build_connector_worker_meta()
+            if meta is None and not self._failures:
+                return None
+            failures, self._failures = self._failures, []
+            if meta is None:  # never expected: a failed job is reported ended too
+                return metadata_class(failures=failures)
+            return metadata_class(meta.completed_jobs, meta.transfer_stats, failures)
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            meta = connector_output.kv_connector_worker_meta
+            scheduler = self.connector_scheduler
+            if isinstance(meta, metadata_class) and meta.failures and scheduler is not None:
+                manager = scheduler.manager
+                if isinstance(manager, KvoffloadManager):
+                    with manager.lock:  # before vLLM completes the jobs (complete_load / complete_store)
+                        for failure in meta.failures:
+                            manager.job_failed(failure)
+            super().update_connector_output(connector_output)
 
         def get_kv_connector_stats(self) -> Any:
-            worker = self.connector_worker.worker if self.connector_worker is not None else None
-            if isinstance(worker, KvoffloadWorker):
+            worker = self._kvoffload_worker()
+            if worker is not None:
                 return worker.take_stats()
             return super().get_kv_connector_stats()
 
@@ -878,8 +1045,8 @@ def _connector_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "KvoffloadConnector":
-        cls = _connector_class()
+    if name in ("KvoffloadConnector", "KvoffloadWorkerMetadata"):
+        cls = _connector_class() if name == "KvoffloadConnector" else _worker_metadata_class()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -194,10 +194,7 @@ class PersistentSlots:
             theirs = CacheIdentity.from_json(found.identity_json)
         except ValueError:
             return "its cache identity is unreadable"
-        differences = self.identity.differences(theirs)
-        if found.slot_bytes != self.slot_bytes:
-            differences.append(f"slots of {self.slot_bytes} bytes here, {found.slot_bytes} there")
-        return "; ".join(differences or ["(digest)"])
+        return "; ".join(self.identity.differences(theirs) or ["(digest)"])
 
     def _initialise(self) -> None:
         """Start the file empty: a new epoch, so no slot written before is valid."""
