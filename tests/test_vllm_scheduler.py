@@ -124,6 +124,8 @@ class Engine:
         self.loaded_blocks: dict[str, int] = {}
         self.load_jobs: collections.Counter[str] = collections.Counter()
         """Load jobs per request id."""
+        self.sync_loads = 0
+        """Load jobs its request waits for in their step (``sync_load_budget_bytes``)."""
         self.failed_loads = 0
         """Loads whose blocks the connector reported as load errors (not checked: vLLM recomputes them)."""
         self.contexts_checked: set[str] = set()
@@ -182,6 +184,7 @@ class Engine:
         meta = out.kv_connector_metadata
         self._jobs_seen |= set(meta.load_jobs) | set(meta.store_jobs)
         self.load_jobs.update(job.req_id for job in meta.load_jobs.values())
+        self.sync_loads += sum(job.sync for job in meta.load_jobs.values())
         wc = self.worker_connector
         wc.handle_preemptions(meta)
         wc.bind_connector_metadata(meta)
@@ -572,6 +575,7 @@ def test_a_failed_load_is_recomputed_and_its_chunks_are_not_offered_again(
     assert engine.failed_loads == 1 and hits(engine, r) == 0
     assert r.request_id in engine.contexts_checked  # recomputed: its blocks hold the model's bytes
     assert engine.load_jobs[r.request_id] == 1, "the chunks whose load failed were offered again"
+    assert engine.sync_loads == (1 if case == "sync-load" else 0)
     assert engine.counter(Metric.FAILED_JOBS, ("load",)) == 1
     if fault is not None:
         fault.active = False

@@ -35,8 +35,16 @@ How it maps onto vLLM's contract:
   nothing (``promote=False``): the manager counts every slot. Stores start in order, each job
   whole (one larger than host memory sends its first blocks on to disk); a store that cannot
   get slots because running loads (or stores) hold them waits for them to end instead of
-  failing. Only an IO or CUDA error fails a job, reported with ``success=False`` (vLLM 0.33
-  then stops the worker: that is its choice; silent corruption would be ours).
+  failing. Only an IO or CUDA error (or a chunk the offloader lost) fails a job.
+* A failed job must not end the engine: vLLM 0.33's ``OffloadingConnector`` asserts on a result
+  with ``success=False``. ``KvoffloadConnector`` reports it as ended instead, and a failed load's
+  GPU blocks through ``get_block_ids_with_load_errors`` in the same pass, so vLLM's scheduler
+  recomputes them (``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``, the
+  default). The failure also reaches the manager, in the workers' metadata: a failed load's
+  chunks are never offered again (vLLM looks the request up again: offering them would loop)
+  and are forgotten once no load pins them; a failed store's chunks are not stored; the workers
+  discard both before the next store. Under the plain ``OffloadingConnector`` a failure is still
+  reported with ``success=False``: it stops the engine rather than serve bytes never loaded.
 
 Why a hit the manager reports is still there when the worker loads it (no lease is taken):
 
@@ -996,7 +1004,7 @@ def _connector_class() -> type:
                 worker.reports_failures = True
 
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-            done = super().get_finished(finished_req_ids)
+            done: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
             worker = self._kvoffload_worker()
             if worker is not None:
                 # vLLM asks for the load errors right after, in the pass that reports the load ended
@@ -1019,13 +1027,13 @@ def _connector_class() -> type:
             return metadata_class(meta.completed_jobs, meta.transfer_stats, failures)
 
         def update_connector_output(self, connector_output: Any) -> None:
-            meta = connector_output.kv_connector_worker_meta
+            failures: list[JobFailure] = getattr(connector_output.kv_connector_worker_meta, "failures", None) or []
             scheduler = self.connector_scheduler
-            if isinstance(meta, metadata_class) and meta.failures and scheduler is not None:
+            if failures and scheduler is not None:
                 manager = scheduler.manager
                 if isinstance(manager, KvoffloadManager):
                     with manager.lock:  # before vLLM completes the jobs (complete_load / complete_store)
-                        for failure in meta.failures:
+                        for failure in failures:
                             manager.job_failed(failure)
             super().update_connector_output(connector_output)
 
