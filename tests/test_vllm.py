@@ -289,6 +289,52 @@ def test_a_failed_transfer_is_reported_as_failed(spec_and_worker):
     assert all((0, k, 0) not in worker.offloader for k in ks)
 
 
+def test_a_cancelled_load_is_reported_done_not_failed_and_the_cancel_never_waits(faults):
+    """``cancel_loads`` (``KvoffloadConnector`` calls it for the loads of requests vLLM aborted) returns
+    while a copy of the load is held; the load ends once that copy has landed, writes nothing after it,
+    releases its slots, and is reported done with no bytes: no failure, no load error."""
+    from kvoffload.vllm import slot_bytes_for
+
+    spec = OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16, "chunk_bytes": slot_bytes_for(2 * PAGE)}))
+    caches = canonical_caches(seed=5)
+    worker = spec.get_worker(caches)
+    worker.reports_failures = True
+    try:
+        manager = spec.get_manager()
+        ctx = ReqContext(req_id="r")
+        ks = keys("c", 2)
+        out = manager.prepare_store(ks, ctx)
+        run_job(worker, worker.submit_store, 1, gpu_spec([1, 2, 3, 4]), out.store_spec)
+        manager.complete_store(ks, ctx)
+        orig = snapshot(caches)
+        copies = faults.gate(worker.offloader, "to_device")
+        assert worker.submit_load(2, manager.prepare_load(ks, ctx), gpu_spec([30, 31, 32, 33])) is True
+        copies.wait_entered()
+        assert worker.cancel_loads([2, 99]) == [2]  # returns with the copy held; 99 is no job
+        assert worker.has_job(2) and not worker.get_finished()
+        copies.allow(1)
+        worker.wait({2})
+        assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [(2, True, None)]
+        assert worker.take_failures() == [] and not worker.has_job(2)
+        assert copies.entered == 1, "the cancelled load went on copying"
+        for t, before in zip(caches.tensors, orig):
+            assert torch.equal(t.tensor[31:34], before[31:34]), "written after the cancel"
+        assert worker.cancel_loads([2]) == []  # reported: nothing left to cancel
+        manager.complete_load(ks, ctx)
+        s = worker.offloader.stats()
+        assert (s.pinned, s.in_flight, s.failed) == (0, 0, 0), s
+        # the chunks still load whole, and a load cancelled after it ended is reported as it ended
+        copies.open()
+        assert worker.submit_load(3, manager.prepare_load(ks, ctx), gpu_spec([40, 41, 42, 43])) is True
+        worker.wait({3})
+        assert worker.cancel_loads([3]) == []
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
+        manager.complete_load(ks, ctx)
+        assert_blocks(caches, orig, [40, 41, 42, 43], [1, 2, 3, 4])
+    finally:
+        worker.shutdown()
+
+
 def test_the_workers_offloader_promotes_nothing(spec_and_worker):
     """A load from disk leaves no copy in host memory: the manager counts every slot."""
     _, worker, _, _, _ = spec_and_worker

@@ -43,6 +43,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvoffload._testing import copy_calls  # noqa: E402
 from kvoffload.vllm import KvoffloadManager, KvoffloadWorker, Metric  # noqa: E402
+from support.waiting import HANG_S  # noqa: E402
 
 BLOCK = 16  # tokens per GPU block
 BPC = 2  # GPU blocks per offloaded chunk
@@ -128,6 +129,8 @@ class Engine:
         """Load jobs its request waits for in their step (``sync_load_budget_bytes``)."""
         self.failed_loads = 0
         """Loads whose blocks the connector reported as load errors (not checked: vLLM recomputes them)."""
+        self.abandoned_loads = 0
+        """Loads whose request was aborted before they ended (not checked: nothing reads their blocks)."""
         self.contexts_checked: set[str] = set()
         """Requests that finished with every full prompt block holding the bytes the model computes."""
         self._async_loads: dict[str, list[Any]] = {}
@@ -168,6 +171,9 @@ class Engine:
             self.failed_loads += 1
             return
         req = self.scheduler.requests[job.req_id]
+        if req.is_finished():  # aborted while it loaded: its blocks go back to the pool unread
+            self.abandoned_loads += 1
+            return
         first = int(job.dst_spec.block_indices[0])
         for i, block_id in enumerate(job.dst_spec.block_ids.tolist()):
             want = self.expected(req.block_hashes[first + i])
@@ -464,6 +470,65 @@ def test_a_store_waits_while_a_load_holds_the_host_tier(make_engine: Callable[..
     assert engine.loads_checked == 2
     s = engine.worker.offloader.stats()
     assert (s.evicted, s.failed) == (0, 0), s
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_a_request_aborted_while_it_loads_cancels_the_load_and_frees_its_blocks_at_once(
+    make_engine: Callable[..., Engine], tmp_path: Any, faults: Any, tier: str,
+) -> None:
+    """vLLM's scheduler keeps the GPU blocks of a request aborted while it waits for its load until
+    the worker reports the load; the worker learns of the abort from the next step's
+    ``finished_req_ids`` and cancels the load, which stops once the copy running then has landed.
+    Its blocks go back to vLLM's pool, the manager's pins drop, nothing stays pinned or in flight
+    in the offloader, nothing is reported failed, and the chunks load whole for a later request.
+    From disk the load is held in a read instead of a copy."""
+    engine = make_engine({**tiers(tier, tmp_path), "chunk_bytes": len(LAYERS) * PAGE})  # one copy (or read) per block
+    a = prompt(140, chunks=2)
+    engine.run(a)
+    if tier == "host+disk":
+        engine.run(prompt(141, chunks=2))  # pushes a's chunks out of host memory, onto disk
+    engine.drop_gpu_prefix_cache()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    copies = faults.gate(engine.worker.offloader, "to_device" if tier == "host" else "preadv")
+    r = engine.add(a + [1])
+    engine.step(wait_when_idle=False)  # r's load of 4 blocks starts; its first copy is held
+    copies.wait_entered()
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = engine.worker._loads.values()
+    ended = threading.Event()
+
+    def on_end(_: Any) -> None:
+        ended.set()
+        with copies.cond:
+            copies.cond.notify_all()
+
+    load.add_done_callback(on_end, on_ending_thread=True)
+    engine.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    engine.step(wait_when_idle=False)  # the abort reaches the worker; the step never waits for the held copy
+    assert not ended.is_set() and pool.get_num_free_blocks() < free  # the held copy still writes r's blocks
+    copies.allow(1)  # the copy running at the cancel lands
+    with copies.cond:  # then the load ends, or (not cancelled) its next copy arrives
+        assert copies.cond.wait_for(lambda: ended.is_set() or copies.entered > 1, HANG_S)
+    assert ended.is_set() and load.cancelled(), "the aborted request's load went on copying"
+    assert copies.entered == 1
+    engine.step(wait_when_idle=False)  # reported: vLLM frees r's blocks, the manager drops its pins
+    assert r.request_id not in engine.scheduler.requests
+    assert pool.get_num_free_blocks() == free, "the aborted request's blocks were not given back"
+    assert not +engine.manager._pins, engine.manager._pins
+    s = engine.worker.offloader.stats()
+    assert (s.pinned, s.in_flight, s.pending, s.failed, s.evicted) == (0, 0, 0, 0, 0), s
+    assert engine.counter(Metric.FAILED_JOBS, ("load",)) == 0 and engine.abandoned_loads == 1
+    stored = engine.manager.stored_keys()
+    assert len(stored) == (2 if tier == "host" else 4)  # the cancel forgot no chunk
+    copies.open()
+    engine.run_until_idle()
+    (again,) = engine.run(a + [2])  # the chunks still serve, byte for byte
+    assert hits(engine, again) == 2 * BPC * BLOCK and engine.loads_checked == 1
+    assert again.request_id in engine.contexts_checked and set(engine.manager.stored_keys()) == set(stored)
+    assert not +engine.manager._pins and pool.get_num_free_blocks() == free
+    s = engine.worker.offloader.stats()
+    assert (s.pinned, s.in_flight, s.failed) == (0, 0, 0), s
 
 
 def test_a_chunk_evicted_while_the_worker_spills_it_costs_no_other_chunk(

@@ -46,6 +46,15 @@ How it maps onto vLLM's contract:
   discard both before the next store. Under the plain ``OffloadingConnector`` a failure is still
   reported with ``success=False``: it stops the engine rather than serve bytes never loaded.
 
+* A request aborted while its load runs: vLLM 0.33's scheduler frees its GPU blocks only once the
+  load is reported (``Scheduler.finish_requests``: ``delay_free_blocks`` for
+  ``WAITING_FOR_REMOTE_KVS``; ``_update_from_kv_xfer_finished`` frees them). ``KvoffloadConnector``
+  learns of the abort on the worker from ``get_finished(finished_req_ids)`` of the next step and
+  cancels the load (``KvoffloadWorker.cancel_loads``, never blocking): it ends once the copy
+  running then has landed and is reported done, not failed, so the blocks come back and the
+  manager's pins drop as soon as that report reaches the scheduler; its chunks stay stored. Its half-written blocks were never in
+  vLLM's prefix cache (it caches a loading request's blocks only once the load is reported).
+
 Why a hit the manager reports is still there when the worker loads it (no lease is taken):
 
 * Against the manager's evictions, its pins. vLLM calls ``lookup`` and ``prepare_load`` (which
@@ -641,6 +650,8 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         """Jobs submitted and not yet handed over by get_finished; each event is set once its result is in _finished."""
         self._loads: dict[int, Transfer] = {}
         """Load jobs not yet reported: :meth:`wait` waits on them itself."""
+        self._cancelled_loads: set[int] = set()
+        """Running loads :meth:`cancel_loads` cancelled (their requests ended): reported done, not failed."""
         self._stores: collections.deque[_StoreJob] = collections.deque()
         """Store jobs not yet handed to the offloader, in submission order."""
         self._running_stores: dict[Transfer, int] = {}
@@ -698,8 +709,9 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             self._reported[job_id] = threading.Event()
 
     def _report(self, job_id: int, kind: str, ok: bool, started: float, nbytes: int | None = None,
-                failure: JobFailure | None = None) -> None:
-        """Report a job's end; ``failure`` describes it should it have failed (``ok=False``)."""
+                failure: JobFailure | None = None, timed: bool = True) -> None:
+        """Report a job's end; ``failure`` describes it should it have failed (``ok=False``); ``timed``:
+        its seconds go to the job latency histogram (not those of a load cancelled half-way)."""
         seconds = time.perf_counter() - started
         with self._lock:
             success = ok
@@ -709,7 +721,8 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
                     self._failures.append(failure)
                     success = True  # the connector tells vLLM's scheduler instead: vLLM asserts on success=False
             self._finished.append(TransferResult(job_id, success, nbytes, seconds if nbytes is not None else None))
-            self._job_seconds.append((kind, seconds))
+            if timed:
+                self._job_seconds.append((kind, seconds))
             reported = self._reported.get(job_id)
         if reported is not None:
             reported.set()
@@ -848,13 +861,37 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
             ok = not t.cancelled() and t.exception() is None
             with self._lock:
                 self._loads.pop(job_id, None)
-            self._report(job_id, "load", ok, started, t.result().nbytes if ok else None, failure)
+                abandoned = job_id in self._cancelled_loads
+                self._cancelled_loads.discard(job_id)
+            if abandoned and t.cancelled():  # its request ended: nothing waits for its blocks, nothing failed
+                self._report(job_id, "load", True, started, timed=False)
+            else:
+                self._report(job_id, "load", ok, started, t.result().nbytes if ok else None, failure)
             self._pump()  # a store may wait for the slots this load held
 
         with self._lock:
             self._loads[job_id] = transfer
         transfer.add_done_callback(ended, on_ending_thread=True)
         return True
+
+    def cancel_loads(self, job_ids: Collection[int]) -> list[int]:
+        """Cancel the running loads among ``job_ids`` (their requests were aborted); returns those it
+        cancelled. Returns at once, blocking on nothing: each ends once the copy running now has landed
+        (a GPU load within a chunk, its later copy kernels skipping their work), then releases its
+        slots and is reported done (``success=True``, no bytes, not a failure), so that vLLM frees its
+        GPU blocks and the manager drops its pins. A load that ends before the cancel lands is
+        reported as it ended (done, or failed). Only ``KvoffloadConnector`` calls it."""
+        with self._lock:
+            running = [(j, self._loads[j]) for j in job_ids if j in self._loads]
+            self._cancelled_loads.update(j for j, _ in running)
+        for _, t in running:  # outside the lock: a transfer that ends at once reports under it
+            t.cancel()
+        return [j for j, _ in running]
+
+    def has_job(self, job_id: int) -> bool:
+        """Whether the job was submitted and :meth:`get_finished` has not handed its result over yet."""
+        with self._lock:
+            return job_id in self._reported
 
     # -- vLLM's polling ------------------------------------------------------------------
 
@@ -983,7 +1020,8 @@ def _connector_class() -> type:
         adding each rank's figures (tiers, spills, disk IO, job latency) to vLLM's metrics, and
         reporting failed jobs so that they cost the request (``kv_load_failure_policy``), not the
         engine: a failed load's GPU blocks through ``get_block_ids_with_load_errors``, and every
-        failure to the manager through the workers' metadata."""
+        failure to the manager through the workers' metadata; and cancelling the loads of
+        requests aborted while they load, so that vLLM gets their GPU blocks back at once."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             with_spec(vllm_config)
@@ -992,6 +1030,8 @@ def _connector_class() -> type:
             """GPU blocks of failed loads handed over by get_finished, for get_block_ids_with_load_errors."""
             self._failures: list[JobFailure] = []
             """Failures handed over by get_finished, for the next worker metadata."""
+            self._load_reqs: dict[int, str] = {}
+            """Async load jobs this worker submitted and has not reported yet -> their request ids."""
 
         def _kvoffload_worker(self) -> KvoffloadWorker | None:
             worker = self.connector_worker.worker if self.connector_worker is not None else None
@@ -1003,10 +1043,23 @@ def _connector_class() -> type:
             if worker is not None:
                 worker.reports_failures = True
 
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            super().start_load_kv(forward_context, **kwargs)
+            if self._kvoffload_worker() is not None:
+                # a sync load has ended already: its request runs this step
+                self._load_reqs.update((j, job.req_id) for j, job in self._connector_metadata.load_jobs.items()
+                                       if not job.sync)
+
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-            done: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
             worker = self._kvoffload_worker()
+            if worker is not None and finished_req_ids and self._load_reqs:
+                # Requests aborted while their loads run (vLLM's scheduler holds their GPU blocks until
+                # the loads are reported): stop the loads, so that they are reported at once.
+                worker.cancel_loads([j for j, r in self._load_reqs.items() if r in finished_req_ids])
+            done: tuple[set[str], set[str]] = super().get_finished(finished_req_ids)
             if worker is not None:
+                if self._load_reqs:
+                    self._load_reqs = {j: r for j, r in self._load_reqs.items() if worker.has_job(j)}
                 # vLLM asks for the load errors right after, in the pass that reports the load ended
                 failures = worker.take_failures()
                 self._load_errors.update(b for f in failures if f.kind == "load" for b in f.block_ids)
