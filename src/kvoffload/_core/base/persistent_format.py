@@ -27,7 +27,7 @@ from typing import Any
 import crc32c
 
 __all__ = [
-    "CHECKPOINT_SUFFIX", "HEADER_BYTES", "Checkpoint", "CheckpointRecord", "FileHeader", "SlotHeader", "crc32c_of",
+    "CHECKPOINT_SUFFIX", "HEADER_BYTES", "Checkpoint", "CheckpointRecord", "FileHeader", "HeaderDamaged", "SlotHeader", "crc32c_of",
 ]
 
 HEADER_BYTES = 4096
@@ -46,6 +46,12 @@ _RECORD = struct.Struct("<QQII")  # slot, seq, payload crc, key length
 _CRC = struct.Struct("<I")
 _MAX_FILE_HEADER = 64 << 20
 """The largest file header read (a cache identity of a million tensors is well below)."""
+
+
+class HeaderDamaged(ValueError):
+    """A file header of this format whose bytes do not hold together (checksum, data offset): the
+    file is kvoffload's, its contents lost; any other ``ValueError`` of :meth:`FileHeader.parse` says
+    the bytes are not a header of this format at all."""
 
 
 def crc32c_of(data: object) -> int:
@@ -92,10 +98,10 @@ class FileHeader:
         magic, version, header_bytes, slot_bytes, slots, data_offset, epoch, digest, n = _check_fixed(data)
         end = _FILE_FIXED.size + n
         if len(data) < end + _CRC.size or _CRC.unpack_from(data, end)[0] != crc32c_of(data[:end]):
-            raise ValueError("its file header is damaged (checksum)")
+            raise HeaderDamaged("its file header is damaged (checksum)")
         out = cls(slot_bytes, slots, bytes(epoch), bytes(digest), bytes(data[_FILE_FIXED.size : end]).decode())
         if out.data_offset != data_offset:
-            raise ValueError("its file header is damaged (data offset)")
+            raise HeaderDamaged("its file header is damaged (data offset)")
         return out
 
 
@@ -108,7 +114,7 @@ def _check_fixed(data: bytes) -> tuple[Any, ...]:
     if version != _FILE_VERSION or header_bytes != HEADER_BYTES:
         raise ValueError(f"written by another version of kvoffload (format {version})")
     if data_offset % HEADER_BYTES or data_offset < _FILE_FIXED.size + n + _CRC.size or data_offset > _MAX_FILE_HEADER:
-        raise ValueError("its file header is damaged (data offset)")
+        raise HeaderDamaged("its file header is damaged (data offset)")
     return fixed
 
 

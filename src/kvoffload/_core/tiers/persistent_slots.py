@@ -49,7 +49,9 @@ from ..base.cache_identity import CacheIdentity, decode_key, encode_key
 from ..base.errors import OffloadError
 from ..base.diskfile import IOV_MAX, DiskFile
 from ..base.layout import runs
-from ..base.persistent_format import CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, SlotHeader, crc32c_of
+from ..base.persistent_format import (
+    CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, HeaderDamaged, SlotHeader, crc32c_of,
+)
 
 __all__ = ["CHECKPOINT_INTERVAL_S", "PersistentSlots", "Recovered"]
 
@@ -150,13 +152,13 @@ class PersistentSlots:
                 if not reason:
                     n = FileHeader.length(first)
                     found = FileHeader.parse(first if n <= HEADER_BYTES else self.file.read_bytes(0, n))
-            except (ValueError, UnicodeDecodeError) as e:
-                if not str(e).startswith("its file header is damaged"):
-                    raise OffloadError(
-                        f"disk_path {self.file.path!r} is not a persistent disk file kvoffload can use ({e}); it was left "
-                        "as it is: remove it or choose another disk_path"
-                    ) from None
+            except HeaderDamaged as e:  # kvoffload's file, its header lost: started empty below
                 reason = str(e)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise OffloadError(
+                    f"disk_path {self.file.path!r} is not a persistent disk file kvoffload can use ({e}); it was left "
+                    "as it is: remove it or choose another disk_path"
+                ) from None
             if found is not None:
                 mismatch = self._mismatch(found)
                 if mismatch:
