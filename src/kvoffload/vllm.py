@@ -30,7 +30,8 @@ How it maps onto vLLM's contract:
   be served after it; the first spec of a new generation makes a worker discard everything of
   older ones, and stores of an older generation still running are dropped as they end.
 * A worker (one per rank) wraps one :class:`kvoffload.Offloader` over vLLM's canonical KV
-  tensors, keyed per GPU block as ``(generation, chunk key, block index in the chunk)``, so a
+  tensors, keyed per GPU block by the chunk key, generation and block index in the chunk
+  (:func:`block_key`, bytes), so a
   load that starts in the middle of a chunk reads exactly its blocks. Its offloader promotes
   nothing (``promote=False``): the manager counts every slot. Stores start in order, each job
   whole (one larger than host memory sends its first blocks on to disk); a store that cannot
@@ -590,6 +591,24 @@ def _stats_available() -> bool:
 
 # -- the worker (one per rank) ----------------------------------------------------------------
 
+_BLOCK_KEY_TAIL = 6
+"""Bytes :func:`block_key` adds after the chunk key: the generation (4), the block index in the chunk (2)."""
+
+
+def block_key(generation: int, chunk: OffloadKey, sub: int) -> bytes:
+    """The offloader key of one GPU block: the chunk key, the reset generation it was stored in and
+    its index in the chunk. Bytes, as a persistent or shared tier needs, and the same in every engine
+    (a restarted one, or another sharing the remote store): a block stored after a reset is never
+    found under the weights of an engine that did not make that reset."""
+    return bytes(chunk) + generation.to_bytes(4, "big") + sub.to_bytes(2, "big")
+
+
+def split_block_key(key: bytes) -> tuple[int, OffloadKey, int]:
+    """``(generation, chunk key, index in the chunk)`` of a :func:`block_key`."""
+    tail = key[-_BLOCK_KEY_TAIL:]
+    return int.from_bytes(tail[:4], "big"), OffloadKey(key[:-_BLOCK_KEY_TAIL]), int.from_bytes(tail[4:], "big")
+
+
 @dataclass(frozen=True)
 class JobFailure:
     """A job a worker could not do, as the scheduler side learns of it (``KvoffloadConnector``)."""
@@ -676,18 +695,18 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
     # -- keys and generations ------------------------------------------------------------
 
     def _gpu_blocks(self, spec: KeysSpec, gpu: GPULoadStoreSpec) -> dict[Hashable, int]:
-        """``(generation, chunk key, block index in chunk) -> GPU block id`` for every GPU block of the job."""
+        """:func:`block_key` ``-> GPU block id`` for every GPU block of the job."""
         bpc, keys, gen = self.blocks_per_chunk, spec.keys, spec.generation
         first = int(gpu.block_indices[0]) if len(gpu.block_indices) else 0
         skip = first % bpc
         out: dict[Hashable, int] = {}
         for i, block_id in enumerate(gpu.block_ids.tolist()):
             chunk, sub = divmod(skip + i, bpc)
-            out[(gen, keys[chunk], sub)] = int(block_id)
+            out[block_key(gen, keys[chunk], sub)] = int(block_id)
         return out
 
     def _blocks_of(self, generation: int, chunks: Collection[OffloadKey]) -> list[Hashable]:
-        return [(generation, k, sub) for k in chunks for sub in range(self.blocks_per_chunk)]
+        return [block_key(generation, k, sub) for k in chunks for sub in range(self.blocks_per_chunk)]
 
     def _enter_generation(self, generation: int) -> None:
         """A spec of ``generation``: if it is new, drop every block of the generations before it
