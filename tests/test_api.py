@@ -136,6 +136,22 @@ def test_lru_eviction_keeps_recently_used(make_offloader, caches):
     off.store({4: 4, 5: 5}).result(10)  # evicts the two least recently used: 1 and 2
     assert [k in off for k in range(6)] == [True, False, False, True, True, True]
     assert off.stats().evicted == 2
+    assert off.keys() == [3, 0, 4, 5]  # least recently used first
+
+
+def test_keys_lists_disk_entries_before_host_entries_and_nothing_in_flight(make_offloader, caches, faults, tmp_path):
+    off = make_offloader(caches, host_blocks=2, disk_path=tmp_path / "kv", disk_blocks=8)
+    off.store({"a": 0, "b": 1}).result(10)
+    off.store({"c": 2, "d": 3}).result(10)  # a and b spill to disk
+    gate = faults.gate(off, "to_host")
+    t = off.store({"e": 4})
+    gate.wait_entered(10)
+    assert off.keys() == ["a", "b", "c", "d"]  # e is being stored: not loadable yet
+    gate.open()
+    t.result(10)
+    assert off.keys()[-1] == "e" and sorted(off.keys()) == ["a", "b", "c", "d", "e"]
+    off.discard(["c"])
+    assert "c" not in off.keys()
 
 
 def test_capacity_error_when_everything_is_in_use(make_offloader):

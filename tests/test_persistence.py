@@ -167,6 +167,7 @@ def test_entries_survive_a_real_restart_byte_exact(tmp_path, host_blocks):
     off, caches = reopen(path)
     try:
         keys = [f"k{i}" for i in range(48)]
+        assert sorted(off.keys()) == sorted(keys)  # what a restarted server rebuilds its index from
         assert off.lookup(keys) == 48
         s = off.stats()
         assert s.recovered == 48 and s.dropped_at_open == 0 and s.disk_ready == 48
@@ -392,6 +393,7 @@ def test_discarded_keys_never_come_back_after_a_restart(tmp_path, monkeypatch):
     off, caches = reopen(path)
     try:
         assert stored_keys(off, [f"k{i}" for i in range(8)]) == [f"k{i}" for i in range(8) if i not in (1, 2)]
+        assert sorted(off.keys()) == [f"k{i}" for i in range(8) if i not in (1, 2)]
         assert off.stats().dropped_at_open == 0
     finally:
         off.close()

@@ -504,6 +504,13 @@ class Offloader:
         storage = rt.storage if rt is not None and not self._closed else None
         return storage is not None and key in storage.index
 
+    def keys(self) -> list[Hashable]:
+        """Every stored key a load may name now, least recently used first: those on disk, then those in
+        host memory. With ``persist=True`` it lists, from ``start()`` on, the keys found again in the
+        disk file (how a restarted server rebuilds its own index). A snapshot: a store or discard
+        running meanwhile may or may not be in it."""
+        return self._running_storage().index.ready_keys()
+
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget stored keys; returns how many were present. Running loads of them finish normally.
 

@@ -1231,6 +1231,12 @@ class BlockIndex:
                 disk.lru[key] = e
             disk.free = [s for s in range(disk.size - 1, -1, -1) if disk.owner[s] is None]
 
+    def ready_keys(self) -> list[Hashable]:
+        """The keys of every ready entry, least recently used first: the disk tier's, then the host
+        tier's (host entries are newer: the host tier holds those stored or promoted last)."""
+        with self._lock:
+            return [e.key for t in (DISK, HOST) for e in self._tiers[t].lru.values() if e.state is State.READY]
+
     def disk_copies(self) -> list[tuple[Hashable, int]]:
         """``(key, disk slot)`` of every ready entry with a copy on disk (its current copy, or the clean
         copy of a promoted one), least recently used first: what a checkpoint lists."""
