@@ -341,9 +341,51 @@ def test_the_workers_offloader_promotes_nothing(spec_and_worker):
     assert worker.offloader.options.promote is False
 
 
-def test_hybrid_models_and_missing_sizes_are_refused():
-    with pytest.raises(ValueError, match="one KV cache group"):
-        OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16}, groups=2))
+def test_a_hybrid_spec_is_accepted_and_maps_each_groups_blocks():
+    """Two KV cache groups over the same tensors (the second uses only tensor 0): a job's keys map to its
+    GPU blocks group by group, each group's first block possibly inside a chunk, a block of either
+    group stored as its whole row in every tensor."""
+    spec = OffloadingSpecFactory.create_spec(offloading_config({"host_blocks": 16}, groups=2))
+    caches = canonical_caches(seed=3)
+    hybrid = CanonicalKVCaches(caches.tensors, [caches.group_data_refs[0], [CanonicalKVCacheRef(0, PAGE)]])
+    with pytest.raises(ValueError, match="KV cache groups"):
+        spec.get_worker(caches)  # one group's refs for a config of two
+    worker = spec.get_worker(hybrid)
+    try:
+        manager = spec.get_manager()
+        orig = snapshot(hybrid)
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        full = keys("full", 2)
+        window = [make_offload_key(hashlib.sha256(f"window{i}".encode()).digest(), 1) for i in range(2)]
+        out = manager.prepare_store([*full, *window], ctx)
+        # group 0: blocks 1-3 of the request (chunk 0 from its second block, chunk 1); group 1: blocks 2-5
+        src = [5, 6, 7, 20, 21, 22, 23]
+        run_job(worker, worker.submit_store, 1, GPULoadStoreSpec(src, group_sizes=[3, 4], block_indices=[1, 2]),
+                out.store_spec)
+        manager.complete_store(out.keys_to_store, ctx)
+        for t in hybrid.tensors:
+            t.tensor[40:] = 0
+        # group 0 loads nothing (its block index means nothing then); group 1 from block 3, inside its chunk 1
+        load = manager.prepare_load(window, ctx)
+        run_job(worker, worker.submit_load, 2, load, GPULoadStoreSpec([40, 41, 42], group_sizes=[0, 3], block_indices=[5, 3]))
+        manager.complete_load(window, ctx)
+        assert_blocks(hybrid, orig, [40, 41, 42], [21, 22, 23])
+        load = manager.prepare_load([*full, window[1]], ctx)
+        run_job(worker, worker.submit_load, 3, load,
+                GPULoadStoreSpec([50, 51, 52, 53, 54], group_sizes=[3, 2], block_indices=[1, 4]))
+        manager.complete_load([*full, window[1]], ctx)
+        assert_blocks(hybrid, orig, [50, 51, 52, 53, 54], [5, 6, 7, 22, 23])
+        with pytest.raises(ValueError, match="do not match"):  # two chunks of group 0, but only one key
+            worker.submit_load(4, manager.prepare_load(full[:1], ctx),
+                               GPULoadStoreSpec([60, 61, 62], group_sizes=[3, 0], block_indices=[0, 0]))
+        s = worker.offloader.stats()
+        assert (s.evicted, s.failed) == (0, 0), s
+    finally:
+        worker.shutdown()
+
+
+def test_missing_sizes_are_refused():
     with pytest.raises(ValueError, match="no room"):
         OffloadingSpecFactory.create_spec(offloading_config({}))
     with pytest.raises(ValueError, match="not both"):
@@ -419,6 +461,16 @@ def config_of(extra: dict, world_size: int = 1, rank: int = 0, dp: int = 0) -> O
     ({"host_blocks": 16, "eviction_policy": "lru"}, r"unknown key\(s\) 'eviction_policy'"),
     ({"host_blocks": 16, "host_bytes": "1GiB"}, r"give one of host_blocks or host_bytes, not both"),
     ({"host_bytes": 4096}, r"less than one block slot"),
+    ({"host_blocks": 16, "persist": True}, r"persist=True needs a disk tier"),
+    ({"host_blocks": 16, "persist": "yes", "disk_blocks": 8, "disk_path": "/tmp/kv"}, r"\['persist'\]: 'yes' is not a boolean"),
+    ({"host_blocks": 16, "verify": True}, r"verify needs persist=True"),
+    ({"host_blocks": 16, "fingerprint": "m"}, r"fingerprint needs persist=True or remote"),
+    ({"host_blocks": 16, "fingerprint": 7, "persist": True, "disk_blocks": 8, "disk_path": "/tmp/kv"},
+     r"\['fingerprint'\]: 7 is not a non-empty string"),
+    ({"host_blocks": 16, "remote": "http://cache:6379"}, r"remote='http://cache:6379' has the scheme 'http'"),
+    ({"host_blocks": 16, "remote": ""}, r"\['remote'\]: '' is not a non-empty string"),
+    ({"host_blocks": 16, "remote": "redis://cache:6379/0", "remote_write": "always"},
+     r"\['remote_write'\]: 'always' is not one of 'through', 'evict', 'none'"),
 ])
 def test_the_extra_config_is_checked_strictly(extra, message):
     with pytest.raises(ValueError, match=message):
@@ -471,3 +523,23 @@ def test_a_directory_as_disk_path_holds_each_ranks_file(tmp_path):
     finally:
         worker.shutdown()
     assert os.listdir(tmp_path) == ["nvme"] and os.listdir(tmp_path / "nvme") == []
+
+
+def test_each_ranks_persistent_or_shared_tier_has_an_identity_of_its_own(tmp_path):
+    extra = {"host_blocks": 0, "disk_blocks": 8, "disk_path": str(tmp_path / "kv"), "persist": True, "fingerprint": "w1"}
+    specs = [OffloadingSpecFactory.create_spec(config_of(extra, world_size=2, rank=r)) for r in (0, 1)]
+    prints = [spec.options["fingerprint"] for spec in specs]
+    assert prints[0] != prints[1] and all("w1" in p and "tiny" in p for p in prints)
+    shared = [OffloadingSpecFactory.create_spec(config_of({"host_blocks": 8, "remote": "redis://cache:6379/0"}, world_size=2, rank=r))
+              for r in (0, 1)]
+    assert shared[0].options["fingerprint"] != shared[1].options["fingerprint"]  # the same rank of engines alike shares
+    workers = []
+    try:
+        for spec, seed in zip(specs, (0, 1)):
+            workers.append(spec.get_worker(canonical_caches(seed=seed)))
+        files = [w.offloader.disk_file for w in workers]
+        assert [os.path.basename(os.path.dirname(f)) for f in files] == ["kv.dp0.rank_0", "kv.dp0.rank_1"]
+        assert all(os.path.basename(f).startswith("kvoffload-") for f in files)  # named after its identity
+    finally:
+        for w in workers:
+            w.shutdown()

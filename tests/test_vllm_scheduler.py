@@ -21,8 +21,9 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload._testing import copy_calls  # noqa: E402
 from kvoffload.vllm import Metric  # noqa: E402
+from support.redis_servers import binaries, command, redis_server  # binaries: a fixture
 from support.vllm_scheduler import BLOCK, BPC, LAYERS, PAGE, TIERS, Engine, hits, prompt, tiers  # noqa: E402
-from support.waiting import HANG_S  # noqa: E402
+from support.waiting import HANG_S, spin_until  # noqa: E402
 
 
 @pytest.fixture
@@ -407,3 +408,150 @@ def test_a_failed_store_costs_neither_the_engine_nor_a_later_request(
     engine.drop_gpu_prefix_cache()
     (last,) = engine.run(a + [2])
     assert hits(engine, last) == 2 * BPC * BLOCK and engine.loads_checked == 1
+
+
+# -- every tier under vLLM: a persistent tier across engines, a remote tier shared by engines ---------
+
+PERSISTENT = {"host_blocks": 4, "disk_blocks": 12, "disk_path": "{tmp}/kv", "persist": True, "fingerprint": "tiny-v1"}
+
+
+def persistent(tmp_path: Any, **changes: Any) -> dict[str, Any]:
+    return {**{k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in PERSISTENT.items()}, **changes}
+
+
+def test_a_restarted_engine_serves_its_prefixes_from_the_persistent_tier(tmp_path: Any) -> None:
+    a, b = prompt(70, chunks=3), prompt(71, chunks=2)
+    first = Engine(tmp_path, persistent(tmp_path))
+    try:
+        first.run(a, b)  # 5 chunks: 2 in host memory, 3 on disk
+        assert len(first.manager.stored_keys()) == 5
+    finally:
+        first.close()  # the host tier's chunks go to disk, with a checkpoint
+    again = Engine(tmp_path, persistent(tmp_path))  # new scheduler, new worker: the handshake tells the manager
+    try:
+        assert len(again.manager.stored_keys()) == 5, "the manager does not know what the persistent tier holds"
+        ra, rb = again.run(a + [1], b + [2])
+        assert (hits(again, ra), hits(again, rb)) == (3 * BPC * BLOCK, 2 * BPC * BLOCK)
+        assert again.loads_checked == 2  # byte for byte
+        assert again.hit_sources[CacheHitSource.DISK] == 5 * BPC * BLOCK
+        s = again.worker.offloader.stats()
+        assert (s.recovered, s.evicted, s.failed) == (5 * BPC, 0, 0), s
+    finally:
+        again.close()
+    other = Engine(tmp_path, persistent(tmp_path, fingerprint="tiny-v2"))  # other weights: a file of its own
+    try:
+        assert other.manager.stored_keys() == []
+        (r,) = other.run(a + [3])
+        assert hits(other, r) == 0
+    finally:
+        other.close()
+
+
+def test_a_restart_adopts_only_whole_chunks_and_frees_the_rest(tmp_path: Any) -> None:
+    a, b = prompt(72, chunks=2), prompt(73, chunks=2)
+    first = Engine(tmp_path, persistent(tmp_path))
+    try:
+        first.run(a, b)
+        bk = first.manager.stored_keys()[-1]  # one of b's chunks loses a block: the chunk cannot be loaded
+        from kvoffload.vllm import block_key
+        assert first.worker.offloader.discard([block_key(0, bk, 1)]) == 1
+    finally:
+        first.close()
+    again = Engine(tmp_path, persistent(tmp_path))
+    try:
+        assert len(again.manager.stored_keys()) == 3
+        s = again.worker.offloader.stats()
+        assert s.host_ready + s.disk_ready == 3 * BPC, "the broken chunk's other block still holds a slot"
+        prompts = [prompt(80 + i, chunks=2) for i in range(5)]  # fill the whole capacity: nothing is held behind the manager
+        again.run(*prompts)
+        assert again.worker.offloader.stats().evicted == 0
+    finally:
+        again.close()
+
+
+def run_sharing(engine: Engine, *prompts: list[int]) -> list[Any]:
+    """``engine.run``, each step's remote lookups answered before the next (a real engine steps on
+    meanwhile; the requests wait either way)."""
+    reqs = [engine.add(p) for p in prompts]
+    for _ in range(200):
+        if not engine.scheduler.has_requests():
+            break
+        engine.step()
+        spin_until(lambda: not engine.worker.remote_lookups_running, what="the remote lookups answering")
+    assert all(r.is_finished() for r in reqs), [r.status for r in reqs]
+    engine.run_until_idle()
+    return reqs
+
+
+def test_under_the_plain_offloading_connector_a_restart_drops_what_the_manager_cannot_learn(
+    tmp_path: Any, caplog: Any,
+) -> None:
+    first = Engine(tmp_path, persistent(tmp_path))
+    try:
+        first.run(prompt(74, chunks=3))
+    finally:
+        first.close()
+    plain = Engine(tmp_path, persistent(tmp_path), connector="OffloadingConnector")  # no handshake
+    try:
+        assert plain.manager.stored_keys() == []
+        plain.run(*(prompt(75 + i, chunks=2) for i in range(4)))  # the whole capacity
+        assert plain.worker.offloader.stats().evicted == 0, "chunks nobody told the manager of held its slots"
+        assert "learns of them only under KvoffloadConnector" in caplog.text
+    finally:
+        plain.close()
+
+
+@pytest.fixture
+def redis_url(binaries: Any) -> Any:
+    with redis_server(binaries) as server:
+        yield server.url
+
+
+def test_engines_sharing_a_remote_tier_serve_each_others_prefixes(tmp_path: Any, redis_url: str) -> None:
+    shared = {"host_blocks": 8, "remote": redis_url, "fingerprint": "tiny-v1"}
+    a = prompt(90, chunks=3)
+    writer = Engine(tmp_path, shared)
+    reader = Engine(tmp_path, shared)
+    try:
+        run_sharing(writer, a)
+        writer.worker.offloader.close()  # its background writes to the remote end here
+        (r,) = run_sharing(reader, a + [1])  # waits (vLLM's RETRY) while its workers look the chunks up, then loads them
+        assert hits(reader, r) == 3 * BPC * BLOCK and reader.loads_checked == 1  # byte for byte
+        assert reader.hit_sources[CacheHitSource.EXTERNAL_UNSPECIFIED] == 3 * BPC * BLOCK
+        assert len(reader.manager.stored_keys()) == 3  # fetched chunks stay, counted by the manager
+        reader.drop_gpu_prefix_cache()
+        (again,) = run_sharing(reader, a + [2])
+        assert hits(reader, again) == 3 * BPC * BLOCK
+        assert reader.hit_sources[CacheHitSource.HOST] == 3 * BPC * BLOCK  # now from its own host tier
+        (miss,) = run_sharing(reader, prompt(91, chunks=2))  # on no engine: looked up, missed, computed
+        assert hits(reader, miss) == 0
+        s = reader.worker.offloader.stats()
+        assert (s.evicted, s.failed, s.remote_hits) == (0, 0, 3 * BPC), s
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_remote_value_gone_before_its_load_is_recomputed_not_offered_again(tmp_path: Any, redis_url: str) -> None:
+    shared = {"host_blocks": 8, "remote": redis_url}
+    a = prompt(92, chunks=2)
+    writer = Engine(tmp_path, shared)
+    reader = Engine(tmp_path, shared, load_failure_policy="recompute")
+    try:
+        run_sharing(writer, a)
+        writer.worker.offloader.close()
+        reader.add(a + [1])
+        for _ in range(10):  # until the workers' lookups have answered (the next step prepares the load)
+            reader.step(wait_when_idle=False)
+            if len(reader.manager.found_remote()) == 2:
+                break
+            spin_until(lambda: not reader.worker.remote_lookups_running, what="the remote lookups answering")
+        assert len(reader.manager.found_remote()) == 2
+        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        command(port, "FLUSHALL")
+        run_sharing(reader)
+        assert reader.failed_loads == 1 and reader.contexts_checked  # recomputed, and finished holding the right bytes
+        assert reader.worker.offloader.stats().in_flight == 0
+    finally:
+        writer.close()
+        reader.close()

@@ -33,6 +33,13 @@ _slot_bytes_for = _layout.slot_bytes_for
 _parse_size = _options.parse_size
 del _layout, _options
 
+
+def _check_remote_url(url: str) -> None:
+    """``ValueError`` unless ``url`` is a Redis URL the remote tier can use (nothing is connected)."""
+    from ._core.tiers.remote.redis_store import check_url  # redis-py is optional: imported only for a remote tier
+
+    check_url(url)
+
 __all__ = [
     "Offloader",
     "Lease",

@@ -56,6 +56,24 @@ How it maps onto vLLM's contract:
   manager's pins drop as soon as that report reaches the scheduler; its chunks stay stored. Its half-written blocks were never in
   vLLM's prefix cache (it caches a loading request's blocks only once the load is reported).
 
+* A persistent tier (``persist``, with a disk tier): each rank's file lives in a directory of its
+  own (:func:`disk_file_stem`), named after its cache identity, whose fingerprint
+  (:func:`rank_fingerprint`) adds the model, KV dtype and the rank's place in the parallel layout
+  to the one given. At start each worker finds its chunks again (blocks of generation 0 only: a
+  block stored after a reset was computed by weights the restarted engine need not have), and
+  ``KvoffloadConnector`` hands them to the manager in vLLM's handshake (engine core, before any
+  request): a chunk every rank holds whole is stored, on disk; the others are discarded before the
+  first store. Under the plain ``OffloadingConnector`` (no handshake) they are dropped at the first
+  job, logged.
+* A remote tier (``remote``) shared by engines: under ``KvoffloadConnector`` a chunk the manager
+  does not hold is looked up by the workers, each for its own blocks (vLLM's ``RETRY`` defers the
+  request meanwhile, never the step): the manager's asks go in the step's connector metadata, the
+  ranks' answers come back in their worker metadata, and a chunk every rank found is a hit for
+  ``REMOTE_FOUND_S``. Its load fetches the blocks and keeps them as a stored chunk, so the manager
+  makes room for it as for a store (the evictions travel in the load's spec). A fetch that fails (a
+  value gone from the remote) is a failed load: recomputed, and not looked up again for
+  ``REMOTE_MISSING_S``. Stores reach the remote as ``remote_write`` says (by default as they end).
+
 Why a hit the manager reports is still there when the worker loads it (no lease is taken):
 
 * Against the manager's evictions, its pins. vLLM calls ``lookup`` and ``prepare_load`` (which
@@ -75,19 +93,29 @@ Why a hit the manager reports is still there when the worker loads it (no lease 
   ``submit_load``, where the load pins them anyway, and the manager's lookup runs in another
   process.
 
-* One KV cache group only: a hybrid model with several groups is refused.
+* Hybrid models (several KV cache groups: full attention, sliding window, ...) are served as
+  vLLM's CPU offloading spec serves them: the scheduler looks keys up group by group (a sliding
+  window group stores and loads only what its window reaches) and every key names its group. vLLM
+  lays the groups over the same KV tensors and gives a block id to one group at a time, so the
+  worker keeps one offloader over all canonical tensors and copies a block of any group as its
+  whole row in each (a group's layers byte for byte, the rest unused bytes of that block): a job's
+  keys map to its GPU blocks group by group, each group's first block possibly inside a chunk. A
+  slot holds a block of any group and the manager counts chunks of every group alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import difflib
 import functools
+import hashlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +142,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, Transfer
+from . import _check_remote_url as check_remote_url
 from . import _parse_size as parse_size
 from . import _slot_bytes_for as slot_bytes_for
+
+log = logging.getLogger("kvoffload")
 
 __all__ = ["KvoffloadSpec", "KvoffloadManager", "KvoffloadWorker", "KeysSpec", "KvoffloadConnector", "JobFailure",
            "parse_extra_config"]
@@ -129,11 +160,14 @@ _VLLM_KEYS = frozenset({
 """Keys of ``kv_connector_extra_config`` that vLLM itself reads for its offloading connector."""
 _SIZE_KEYS = ("host_bytes", "disk_bytes", "cpu_bytes_to_use", "chunk_bytes")
 _COUNT_KEYS = {"host_blocks": 0, "disk_blocks": 0, "io_threads": 1, "gather_ctas": 0}
-_BOOL_KEYS = ("use_page_cache", "expedited_loads", "use_batch_copy")
-_CHOICE_KEYS = {"completion": ("poll", "thread"), "gather_priority": ("low", "high"), "copy_engine": ("kernel", "dma")}
-_KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, "disk_path"})
+_BOOL_KEYS = ("use_page_cache", "expedited_loads", "use_batch_copy", "persist", "verify")
+_CHOICE_KEYS = {"completion": ("poll", "thread"), "gather_priority": ("low", "high"), "copy_engine": ("kernel", "dma"),
+                "remote_write": ("through", "evict", "none")}
+_TEXT_KEYS = ("fingerprint", "remote")
+_KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, *_TEXT_KEYS, "disk_path"})
 _OFFLOADER_KEYS = ("chunk_bytes", "io_threads", "gather_ctas", "use_page_cache", "expedited_loads", "use_batch_copy",
-                   "completion", "gather_priority", "copy_engine")
+                   "completion", "gather_priority", "copy_engine", "persist", "verify", "fingerprint", "remote",
+                   "remote_write")
 def _error(key: str, message: str) -> ValueError:
     return ValueError(f"kv_connector_extra_config[{key!r}]: {message}")
 
@@ -152,6 +186,12 @@ def _count(key: str, value: object, minimum: int) -> int:
         raise _error(key, f"{value!r} ({type(value).__name__}) is not an integer")
     if value < minimum:
         raise _error(key, f"{value!r} is less than {minimum}")
+    return value
+
+
+def _text(key: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise _error(key, f"{value!r} is not a non-empty string")
     return value
 
 
@@ -243,15 +283,36 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
             options[key] = _count(key, value, _COUNT_KEYS[key])
         elif key in _BOOL_KEYS:
             options[key] = _bool(key, value)
+        elif key in _TEXT_KEYS:
+            options[key] = _text(key, value)
         elif value not in _CHOICE_KEYS[key]:
             raise _error(key, f"{value!r} is not one of {', '.join(map(repr, _CHOICE_KEYS[key]))}")
         else:
             options[key] = value
     try:
         Options(host_blocks=host_blocks, disk_blocks=disk_blocks, disk_path=disk_path, **options)
-    except (TypeError, ValueError) as e:
+        if "remote" in options:
+            check_remote_url(options["remote"])
+    except (TypeError, ValueError, ImportError) as e:
         raise ValueError(f"kv_connector_extra_config: {e}") from None
     return ExtraConfig(host_blocks, disk_blocks, disk_path, options)
+
+
+def rank_fingerprint(config: OffloadingConfig, given: str | None) -> str:
+    """The fingerprint of one rank's persistent or shared tier: the one given (the weights' identity,
+    such as a checkpoint hash), the model and KV dtype vLLM runs, and the rank's place in the parallel
+    layout. Ranks never read each other's blocks; the same rank of engines laid out alike shares them.
+    The tier's cache identity adds the KV tensors' shapes and dtypes."""
+    p, cache = config.parallel, config.cache
+    return "; ".join((
+        f"vllm model={config.model.name} kv_dtype={config.model.dtype} layout={config.kv_cache_layout}",
+        f"tokens_per_hash={cache.tokens_per_hash} blocks_per_chunk={cache.blocks_per_chunk}",
+        "groups=" + ",".join(f"{g.group_id}:{g.tokens_per_block}:{g.sliding_window_size_in_chunks}:{len(g.layer_names)}:"
+                             f"{hashlib.blake2b(chr(0).join(g.layer_names).encode(), digest_size=4).hexdigest()}"
+                             for g in config.groups),
+        f"pp={p.pp_size} tp={p.tp_size} pcp={p.pcp_size} dcp={p.dcp_size} rank={p.rank}",
+        f"fingerprint={given or ''}",
+    ))
 
 
 def disk_file_stem(disk_path: str, data_parallel_index: int, rank: int) -> str:
@@ -259,7 +320,9 @@ def disk_file_stem(disk_path: str, data_parallel_index: int, rank: int) -> str:
     ``<disk_path>/kv.dp<D>.rank_<R>`` when ``disk_path`` is a directory (its file goes in it).
 
     Its file has no name while the engine runs (the disk tier's file is nameless unless persistent),
-    so several ``vllm serve`` processes given one ``disk_path`` never collide.
+    so several ``vllm serve`` processes given one ``disk_path`` never collide. A persistent tier's
+    stem is a directory holding a file per cache identity (``kvoffload-<16 hex digits>.cache``):
+    an engine started with another model, layout or fingerprint opens a file of its own.
     """
     stem = os.path.join(disk_path, "kv") if os.path.isdir(disk_path) else disk_path
     return f"{stem}.dp{data_parallel_index}.rank_{rank}"
@@ -344,11 +407,8 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        if len(config.groups) != 1:
-            raise ValueError(
-                f"kvoffload serves models with one KV cache group; this one has {len(config.groups)} "
-                "(hybrid attention): use vLLM's CPUOffloadingSpec for it"
-            )
+        # Any number of KV cache groups (hybrid models): a slot holds a block of any group, as its whole
+        # row in every canonical tensor; worker_kv_bytes_per_block is that row (vLLM's CPU spec sizes by it too).
         block_bytes = int(config.worker_kv_bytes_per_block)
         self.slot_bytes = slot_bytes_for(block_bytes)  # the offloader's slot for these blocks
         parsed = parse_extra_config(
@@ -359,8 +419,11 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self.disk_blocks = parsed.disk_blocks
         self.disk_path = parsed.disk_path
         self.options = parsed.offloader_options
+        if self.options.get("persist") or "remote" in self.options:
+            self.options["fingerprint"] = rank_fingerprint(config, self.options.get("fingerprint"))
         self.rank = int(config.parallel.rank)
         self.data_parallel_index = int(config.parallel.data_parallel_index)
+        self.ranks = max(1, int(config.parallel.world_size))
         self._manager: KvoffloadManager | None = None
 
     def get_manager(self) -> KvoffloadManager:
@@ -368,29 +431,56 @@ class KvoffloadSpec(OffloadingSpec):  # type: ignore[misc]
             self._manager = KvoffloadManager(
                 (self.host_blocks + self.disk_blocks) // self.blocks_per_chunk,
                 host_capacity=self.host_blocks // self.blocks_per_chunk if self.disk_blocks else None,
+                ranks=self.ranks, remote="remote" in self.options,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvoffloadWorker:
-        if len(kv_caches.group_data_refs) != 1:
-            raise ValueError(f"kvoffload serves one KV cache group; got {len(kv_caches.group_data_refs)}")
+        # The worker copies a block of any group as its whole row in every tensor (a block id belongs to
+        # one group at a time): right as long as each group's pages lie within the rows it copies.
+        if len(kv_caches.group_data_refs) != len(self.config.groups):
+            raise ValueError(f"vLLM gave the worker {len(kv_caches.group_data_refs)} KV cache groups, "
+                             f"its offloading config {len(self.config.groups)}")
+        for group, refs in enumerate(kv_caches.group_data_refs):
+            for ref in refs:
+                if ref.page_size_bytes > kv_caches.tensors[ref.tensor_idx].page_size_bytes:
+                    raise ValueError(f"KV cache group {group}: a page of {ref.page_size_bytes} bytes in tensor "
+                                     f"{ref.tensor_idx}, whose blocks have {kv_caches.tensors[ref.tensor_idx].page_size_bytes}")
         stem = disk_file_stem(self.disk_path, self.data_parallel_index, self.rank) if self.disk_path else None
-        return KvoffloadWorker(kv_caches, self.blocks_per_chunk, self.host_blocks, self.disk_blocks, stem, self.options)
+        return KvoffloadWorker(kv_caches, self.blocks_per_chunk, self.host_blocks, self.disk_blocks, stem, self.options,
+                               rank=self.rank)
 
 
 # -- the manager (scheduler process) --------------------------------------------------------
+
+REMOTE_FOUND_S = 30.0
+"""How long the manager takes a chunk found on the remote tier as there (a worker's offloader lets a
+load name it for a minute after its lookup)."""
+REMOTE_MISSING_S = 1.0
+"""How long the manager takes a chunk the remote tier did not hold (or failed to load) as missing."""
+_MAX_REMOTE_KNOWN = 1 << 16
+"""The most remote answers the manager remembers (expired ones go first, then the oldest)."""
 
 class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
     """The scheduler's index of offloaded chunks: states, pins, LRU, capacity in chunks.
 
     ``host_capacity`` (chunks), given when there is a disk tier too, lets the manager follow
     which chunks the workers keep in host memory (stores land there; the least recently stored
-    or loaded ones move to disk), for :meth:`get_load_source` and the metrics.
+    or loaded ones move to disk), for :meth:`get_load_source` and the metrics. ``ranks``: the
+    workers, each reporting what its persistent tier holds at start (:meth:`adopt`) and its part of
+    every remote lookup (:meth:`remote_answered`). ``remote``: the workers share a remote tier: a
+    chunk the manager does not hold is looked up there (the request waits meanwhile, vLLM's
+    ``RETRY``).
     """
 
-    def __init__(self, capacity: int, host_capacity: int | None = None) -> None:
+    def __init__(self, capacity: int, host_capacity: int | None = None, *, ranks: int = 1, remote: bool = False) -> None:
         self.capacity = capacity
         self.host_capacity = host_capacity
+        self.ranks = ranks
+        self.remote = remote
+        self.asks_workers = False
+        """Set by ``KvoffloadConnector``, which carries remote lookups to the workers and their answers
+        back: without it (vLLM's plain ``OffloadingConnector``) the manager serves only its own chunks."""
         self.generation = 0
         """Cache resets so far; workers key their blocks by it."""
         self._ready: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()  # LRU first
@@ -408,6 +498,19 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._to_discard: dict[OffloadKey, None] = {}
         """Chunks forgotten after a failed job, which workers may still hold: the next store spec
         carries them to the workers, which discard them before it stores."""
+        self._adopted = False
+        """Whether the workers' persistent tiers were adopted (once, at start)."""
+        self._remote_known: dict[OffloadKey, tuple[bool, float]] = {}
+        """Chunks the workers looked up on the remote tier: whether every rank found it, and until when
+        that answer holds (monotonic seconds)."""
+        self._asking: dict[OffloadKey, list[int]] = {}
+        """Chunks asked of the workers and not answered by every rank yet: ``[answers, found]``."""
+        self._asks: list[OffloadKey] = []
+        """Chunks to ask of the workers in the next connector metadata (:meth:`take_remote_asks`)."""
+        self._step_claims: set[OffloadKey] = set()
+        """Remote hits lookup answered this step: each will take a chunk of room when loaded."""
+        self._fetching: set[OffloadKey] = set()
+        """Chunks a prepared load fetches from the remote tier (their hits' source), until it completes."""
         self._stats = _new_stats() if _stats_available() else None
 
     def _free(self) -> int:
@@ -426,23 +529,82 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         if key in self._ready:
             # vLLM asks again for a request whose load failed: offering the chunk again would loop
             return LookupResult.MISS if key in self._failed else LookupResult.HIT
-        return LookupResult.HIT_PENDING if key in self._storing else LookupResult.MISS
+        if key in self._storing:
+            return LookupResult.HIT_PENDING
+        if not (self.remote and self.asks_workers) or key in self._step_evictions:
+            return LookupResult.MISS
+        known = self._remote_known.get(key)
+        if known is not None and known[1] > time.monotonic():
+            return LookupResult.HIT if known[0] and self._claim_room(key) else LookupResult.MISS
+        if key not in self._asking:  # the workers look it up; the request waits meanwhile, never the step
+            self._asking[key] = [0, 0]
+            self._asks.append(key)
+        return LookupResult.RETRY
+
+    def _claim_room(self, key: OffloadKey) -> bool:
+        """Whether a remote hit can be loaded: its fetched blocks stay as a stored chunk, so it needs a
+        chunk of room, made by evicting an unpinned stored chunk if none is free."""
+        if key in self._step_claims:
+            return True
+        if self.capacity - len(self._storing) - len(self._pins) - len(self._step_claims) <= 0:
+            return False
+        self._step_claims.add(key)
+        return True
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        """The tier a hit is expected in: host memory or disk."""
+        """The tier a hit is expected in: host memory, disk, or (not stored here) the remote tier."""
+        if key not in self._ready or key in self._fetching:
+            return CacheHitSource.EXTERNAL_UNSPECIFIED  # vLLM's source for a remote store
         return CacheHitSource.HOST if self._tier(key) == "host" else CacheHitSource.DISK
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KeysSpec:
+        now = time.monotonic()
+        fetched = []
         for k in keys:
-            if k not in self._ready:
-                raise KeyError(f"prepare_load of a chunk that is not stored: {k!r}")
+            if k in self._ready:
+                continue
+            known = self._remote_known.get(k)
+            if known is None or not known[0] or known[1] <= now:
+                raise KeyError(f"prepare_load of a chunk that is neither stored nor found on the remote tier: {k!r}")
+            fetched.append(k)
         for k in keys:
-            self._count(Metric.LOADED_CHUNKS, 1, (self._tier(k),))
+            self._count(Metric.LOADED_CHUNKS, 1, (self._tier(k) if k in self._ready else "remote",))
             self._pins[k] += 1
-            self._ready.move_to_end(k)
+            if k in self._ready:
+                self._ready.move_to_end(k)
             if k in self._on_host:
                 self._on_host.move_to_end(k)  # a load makes it the most recently used of its tier
-        return KeysSpec(list(keys), generation=self.generation)
+        if fetched:  # fetched blocks stay as stored chunks: room for them, as for a store
+            self._make_room(len(fetched))
+            for k in fetched:
+                self._ready[k] = None
+                del self._remote_known[k]
+                self._fetching.add(k)
+            if self.host_capacity:
+                self._place_on_host(fetched)
+        return KeysSpec(list(keys), list(self._step_evictions) if fetched else None, self.generation)
+
+    def _make_room(self, n: int) -> bool:
+        """Evict least recently used unpinned stored chunks until ``n`` chunks are free; the workers
+        discard them before their next job (every spec of the step carries them). False when
+        everything else is pinned (nothing is evicted then)."""
+        shortfall = n - self._free()
+        if shortfall <= 0:
+            return True
+        evicted: list[OffloadKey] = []
+        for k in self._ready:  # least recently used first
+            if len(evicted) == shortfall:
+                break
+            if not self._pins[k]:
+                evicted.append(k)
+        if len(evicted) < shortfall:
+            return False
+        for k in evicted:
+            del self._ready[k]
+            self._on_host.pop(k, None)
+        self._count(Metric.EVICTED_CHUNKS, len(evicted))
+        self._step_evictions.update(dict.fromkeys(evicted))
+        return True
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for k in keys:
@@ -453,6 +615,7 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         for k in keys:
             if self._pins[k] <= 1:
                 self._pins.pop(k, None)  # also a load prepared before a reset
+                self._fetching.discard(k)
                 if k in self._failed:
                     self._forget(k)
             else:
@@ -468,6 +631,9 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         if failure.kind == "store":
             self._failed_stores.update(k for k in failure.keys if k in self._storing)
             return
+        if self.remote:  # not looked up on the remote again for a while: a value gone from it would loop
+            until = time.monotonic() + REMOTE_MISSING_S
+            self._remote_known.update((k, (False, until)) for k in failure.keys)
         for k in failure.keys:
             if k in self._ready:
                 self._failed.add(k)
@@ -484,23 +650,14 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # A chunk evicted this step waits for the next one: this step's later specs discard it.
         new = [k for k in dict.fromkeys(keys) if k not in self._ready and k not in self._storing and k not in self._step_evictions]
-        shortfall = len(new) - self._free()
-        evicted: list[OffloadKey] = []
-        if shortfall > 0:
-            for k in self._ready:  # least recently used first
-                if len(evicted) == shortfall:
-                    break
-                if not self._pins[k]:
-                    evicted.append(k)
-            if len(evicted) < shortfall:
-                self._count(Metric.REFUSED_STORES)
-                return None  # everything else is being stored or loaded: nothing can be stored now
-            for k in evicted:
-                del self._ready[k]
-                self._on_host.pop(k, None)
-            self._count(Metric.EVICTED_CHUNKS, len(evicted))
+        before = len(self._step_evictions)
+        if not self._make_room(len(new)):
+            self._count(Metric.REFUSED_STORES)
+            return None  # everything else is being stored or loaded: nothing can be stored now
+        evicted = list(self._step_evictions)[before:]
         self._storing.update(new)
-        self._step_evictions.update(dict.fromkeys(evicted))
+        for k in new:
+            self._remote_known.pop(k, None)
         # Chunks forgotten after failed jobs: this spec discards them (vLLM drops a spec that stores
         # nothing: then a later one does). One it stores again is discarded by this spec alone, first.
         restored: list[OffloadKey] = []
@@ -546,6 +703,64 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
 
     def on_schedule_end(self, context: Any) -> None:
         self._step_evictions = {}
+        self._step_claims.clear()
+
+    def has_pending_work(self) -> bool:
+        """While remote lookups are unanswered, vLLM keeps stepping (their answers come with its steps)."""
+        return bool(self._asking)
+
+    # -- what the workers report: persistent tiers at start, remote lookups ----------------
+
+    def adopt(self, ranks: Collection[Collection[OffloadKey]]) -> int:
+        """At start (vLLM's handshake, before any request): the chunks each rank's persistent tier found
+        again, least recently used first. A chunk every rank holds becomes stored (on disk), up to the
+        capacity, the most recently used kept; the workers discard the rest before their first store,
+        so no slot is held behind the manager's back. Only the first call, before any store or reset,
+        adopts anything; returns how many chunks it adopted."""
+        if self._adopted or self.generation or self._ready or self._storing:
+            return 0
+        self._adopted = True
+        listed = [list(chunks) for chunks in ranks]
+        held = set().union(*listed) if listed else set()
+        common = held.intersection(*listed) if len(listed) == self.ranks else set()
+        kept = [k for k in listed[0] if k in common][-self.capacity:] if common and self.capacity else []
+        for k in kept:
+            self._ready[k] = None
+        kept_set = set(kept)
+        self._to_discard.update((k, None) for k in held if k not in kept_set)
+        return len(kept)
+
+    def found_remote(self) -> list[OffloadKey]:
+        """Chunks not stored here that every rank found on the remote tier lately (a lookup of one is a hit)."""
+        now = time.monotonic()
+        return [k for k, (found, until) in self._remote_known.items() if found and until > now]
+
+    def take_remote_asks(self) -> list[OffloadKey]:
+        """Chunks the workers are to look up on the remote tier (``KvoffloadConnector`` sends them with
+        the step's connector metadata)."""
+        asks, self._asks = self._asks, []
+        return asks
+
+    def remote_answered(self, generation: int, answers: Collection[tuple[OffloadKey, bool]]) -> None:
+        """Ranks' answers to remote lookups (``KvoffloadConnector`` passes on the workers' metadata): a
+        chunk is a remote hit once every rank found all its blocks; the answer holds for a while."""
+        if generation != self.generation:
+            return  # asked before a reset
+        now = time.monotonic()
+        for key, found in answers:
+            votes = self._asking.get(key)
+            if votes is None:
+                continue
+            votes[0] += 1
+            votes[1] += bool(found)
+            if votes[0] >= self.ranks:
+                del self._asking[key]
+                hit = votes[1] >= self.ranks
+                self._remote_known[key] = (hit, now + (REMOTE_FOUND_S if hit else REMOTE_MISSING_S))
+        if len(self._remote_known) > _MAX_REMOTE_KNOWN:
+            self._remote_known = {k: v for k, v in self._remote_known.items() if v[1] > now}
+            while len(self._remote_known) > _MAX_REMOTE_KNOWN:  # the oldest answers go first
+                del self._remote_known[next(iter(self._remote_known))]
 
     def reset_cache(self) -> None:
         """Forget every chunk (stored, being stored, pinned) and start a new generation: the
@@ -558,6 +773,11 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         self._failed.clear()
         self._failed_stores.clear()
         self._to_discard = {}
+        self._remote_known.clear()
+        self._fetching.clear()
+        self._asking.clear()
+        self._asks = []
+        self._step_claims.clear()
         self.generation += 1
         self._count(Metric.RESETS)
 
@@ -646,9 +866,10 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
     def __init__(
         self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, host_blocks: int, disk_blocks: int,
-        disk_file: str | None, options: dict[str, Any],
+        disk_file: str | None, options: dict[str, Any], *, rank: int = 0,
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk
+        self.rank = rank
         tensors = {f"tensor.{i}": t.tensor for i, t in enumerate(kv_caches.tensors)}
         self.cuda = kv_caches.tensors[0].tensor.is_cuda
         self.offloader = _start_offloader(tensors, host_blocks, disk_blocks, disk_file, options)
@@ -691,18 +912,117 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self._stats_read_at = -float("inf")
         self.stats_period_s = 1.0
         """How often :meth:`take_stats` reads the offloader's counters (``stats()`` walks the index)."""
+        self.persistent = bool(options.get("persist"))
+        self._restored = self._restore() if self.persistent else []
+        """The chunks this rank's persistent tier found again at start, least recently used first,
+        until :meth:`claim_restored` (or the first job, which drops them: nobody told the manager)."""
+        self._remote_answers: list[tuple[int, OffloadKey, bool]] = []
+        """Remote lookups answered and not yet taken: ``(generation, chunk, found)``."""
+        self._remote_lookups = 0
+        self._lookups: _LookupLoop | None = _LookupLoop() if options.get("remote") is not None else None
+
+    # -- what a restart finds, what the remote holds -----------------------------------------
+
+    def _restore(self) -> list[OffloadKey]:
+        """The chunks of generation 0 whose every block the persistent tier found again; every other
+        block found (of a chunk missing some, or stored after a reset) is discarded."""
+        chunks: dict[OffloadKey, set[int]] = {}
+        strays: list[Hashable] = []
+        for key in self.offloader.keys():  # least recently used first
+            if not isinstance(key, bytes) or len(key) <= _BLOCK_KEY_TAIL:
+                strays.append(key)
+                continue
+            generation, chunk, sub = split_block_key(key)
+            if generation != 0 or sub >= self.blocks_per_chunk:
+                strays.append(key)
+                continue
+            subs = chunks.pop(chunk, set())
+            subs.add(sub)
+            chunks[chunk] = subs  # ordered by its most recently used block
+        whole = [c for c, subs in chunks.items() if len(subs) == self.blocks_per_chunk]
+        strays += [block_key(0, c, sub) for c, subs in chunks.items() if len(subs) < self.blocks_per_chunk for sub in subs]
+        if strays:
+            self.offloader.discard(strays)
+        self._chunks[0].update(whole)
+        return whole
+
+    def claim_restored(self) -> list[OffloadKey]:
+        """The chunks the persistent tier found again at start, least recently used first, for the
+        manager (``KvoffloadConnector`` sends them in vLLM's handshake: :meth:`KvoffloadManager.adopt`)."""
+        restored, self._restored = self._restored, []
+        return restored
+
+    def _drop_unclaimed(self) -> None:
+        """Before the first job: chunks found again that nobody claimed (vLLM's plain
+        ``OffloadingConnector`` has no handshake) would hold slots the manager counts as free."""
+        with self._lock:
+            restored, self._restored = self._restored, []
+            self._chunks[0].difference_update(restored)
+        if restored:
+            log.warning("kvoffload: %d chunks found again in the persistent tier are dropped: the manager learns of "
+                        "them only under KvoffloadConnector", len(restored))
+            self.offloader.discard(self._blocks_of(0, restored))
+
+    def look_up_remote(self, generation: int, chunks: Collection[OffloadKey]) -> None:
+        """Look ``chunks`` up on the remote tier, in the background (never blocking): each answer (all
+        its blocks found, or not) is handed to the manager by :meth:`take_remote_answers`. A chunk
+        found stays loadable by this rank's offloader for a minute."""
+        if self._lookups is None or not chunks:
+            return
+        for chunk in chunks:
+            keys = self._blocks_of(generation, [chunk])
+
+            def answered(found: int, chunk: OffloadKey = chunk, wanted: int = len(keys)) -> None:
+                with self._lock:
+                    self._remote_answers.append((generation, chunk, found == wanted))
+                    self._remote_lookups -= 1
+
+            with self._lock:
+                self._remote_lookups += 1
+
+            self._lookups.run(self.offloader.alookup(keys), answered)
+
+    @property
+    def remote_lookups_running(self) -> int:
+        """Remote lookups :meth:`look_up_remote` started that have not answered yet."""
+        with self._lock:
+            return self._remote_lookups
+
+    def take_remote_answers(self) -> list[tuple[int, OffloadKey, bool]]:
+        """Remote lookups answered since the last call: ``(generation, chunk, found)``."""
+        with self._lock:
+            taken, self._remote_answers = self._remote_answers, []
+        return taken
 
     # -- keys and generations ------------------------------------------------------------
 
     def _gpu_blocks(self, spec: KeysSpec, gpu: GPULoadStoreSpec) -> dict[Hashable, int]:
-        """:func:`block_key` ``-> GPU block id`` for every GPU block of the job."""
+        """:func:`block_key` ``-> GPU block id`` for every GPU block of the job.
+
+        As vLLM's CPU worker reads a spec: the blocks come group by group (``gpu.group_sizes``), each
+        group's logically consecutive from its block index (``gpu.block_indices``), which may lie inside
+        a chunk; a group's chunks are the next keys of ``spec.keys``, which lists them group by group.
+        """
         bpc, keys, gen = self.blocks_per_chunk, spec.keys, spec.generation
-        first = int(gpu.block_indices[0]) if len(gpu.block_indices) else 0
-        skip = first % bpc
+        block_ids = gpu.block_ids.tolist()
+        sizes = [int(n) for n in gpu.group_sizes]
         out: dict[Hashable, int] = {}
-        for i, block_id in enumerate(gpu.block_ids.tolist()):
-            chunk, sub = divmod(skip + i, bpc)
-            out[block_key(gen, keys[chunk], sub)] = int(block_id)
+        first_block = first_key = 0
+        for size, index in zip(sizes, gpu.block_indices):
+            if not size:  # a group with nothing to move (its block index means nothing then)
+                continue
+            skip = int(index) % bpc
+            chunks = -(-(skip + size) // bpc)
+            if first_key + chunks > len(keys):
+                break
+            for i, block_id in enumerate(block_ids[first_block:first_block + size]):
+                chunk, sub = divmod(skip + i, bpc)
+                out[block_key(gen, keys[first_key + chunk], sub)] = int(block_id)
+            first_block += size
+            first_key += chunks
+        if first_block != len(block_ids) or first_key != len(keys):
+            raise ValueError(f"a job of {len(keys)} chunk keys and {len(block_ids)} GPU blocks in groups of {sizes} "
+                             f"blocks from block {[int(i) for i in gpu.block_indices]}: they do not match")
         return out
 
     def _blocks_of(self, generation: int, chunks: Collection[OffloadKey]) -> list[Hashable]:
@@ -751,6 +1071,9 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KeysSpec)
         started = time.perf_counter()
+        blocks = self._gpu_blocks(dst_spec, src_spec)  # first: a spec that does not fit raises with nothing begun
+        if self._restored:
+            self._drop_unclaimed()
         self._begin(job_id)
         self._enter_generation(dst_spec.generation)
         with self._lock:
@@ -762,7 +1085,7 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         after = torch.cuda.Event() if self.cuda else None
         if after is not None:
             after.record()
-        job = _StoreJob(job_id, dst_spec.generation, tuple(dst_spec.keys), self._gpu_blocks(dst_spec, src_spec),
+        job = _StoreJob(job_id, dst_spec.generation, tuple(dst_spec.keys), blocks,
                         self._blocks_of(dst_spec.generation, dst_spec.evicted), after, started)
         with self._lock:
             self._stores.append(job)
@@ -866,10 +1189,17 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
         assert isinstance(src_spec, KeysSpec)
         started = time.perf_counter()
+        blocks = self._gpu_blocks(src_spec, dst_spec)  # first: a spec that does not fit raises with nothing begun
+        if self._restored:
+            self._drop_unclaimed()
         self._begin(job_id)
         self._enter_generation(src_spec.generation)
-        blocks = self._gpu_blocks(src_spec, dst_spec)
         failure = JobFailure("load", src_spec.generation, tuple(src_spec.keys), tuple(blocks.values()))
+        if src_spec.evicted:  # room the manager made for chunks this load fetches from the remote tier
+            with self._lock:
+                self._chunks[src_spec.generation].difference_update(src_spec.evicted)
+                self._chunks[src_spec.generation].update(src_spec.keys)
+            self.offloader.discard(self._blocks_of(src_spec.generation, src_spec.evicted))
         try:
             transfer = self.offloader.load(blocks, expedited=expedited)
         except Exception:  # a missing key (MissingKeysError), a closed offloader
@@ -982,16 +1312,56 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         return stats
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         self.offloader.close()
+
+
+class _LookupLoop:
+    """A thread running an asyncio loop for one worker's remote lookups (``Offloader.alookup``): vLLM
+    calls the worker from its own threads, which must never wait for the network."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvoffload-vllm-lookups", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, int], answered: Callable[[int], None]) -> None:
+        """Run ``coro`` on the loop; ``answered(result)`` on the loop's thread (0 should it fail)."""
+
+        async def answer() -> None:
+            try:
+                found = await coro
+            except Exception:  # a closed offloader, say: nothing found
+                found = 0
+            answered(found)
+
+        asyncio.run_coroutine_threadsafe(answer(), self.loop)
+
+    def close(self) -> None:
+        """Stop the loop (lookups still running are dropped) and its thread."""
+        async def cancel_all() -> None:
+            current = asyncio.current_task()
+            for task in asyncio.all_tasks():
+                if task is not current:
+                    task.cancel()
+
+        with contextlib.suppress(RuntimeError):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def _start_offloader(
     tensors: dict[str, torch.Tensor], host_blocks: int, disk_blocks: int, disk_file: str | None, options: dict[str, Any],
 ) -> Offloader:
-    """A started offloader; with a disk tier, its (nameless) file in ``disk_file``'s directory, made if missing."""
+    """A started offloader; with a disk tier, its (nameless) file in ``disk_file``'s directory, made if
+    missing; with a persistent one, its file in the directory ``disk_file`` (made if missing)."""
     if disk_file is None:
         return Offloader(tensors, host_blocks=host_blocks, **options).start()
-    os.makedirs(os.path.dirname(os.path.abspath(disk_file)), exist_ok=True)
+    os.makedirs(disk_file if options.get("persist") else os.path.dirname(os.path.abspath(disk_file)), exist_ok=True)
     return Offloader(tensors, host_blocks=host_blocks, disk_path=disk_file, disk_blocks=disk_blocks, **options).start()
 
 
@@ -1010,16 +1380,38 @@ def _worker_metadata_class() -> type:
         """vLLM's worker-to-scheduler report of ended jobs, with the jobs that failed."""
 
         failures: list[JobFailure] = field(default_factory=list)
+        remote_answers: list[tuple[int, OffloadKey, bool]] = field(default_factory=list)
+        """Each rank's answers to remote lookups: ``(generation, chunk, found)``."""
 
         def aggregate(self, other: Any) -> Any:  # vLLM merges the ranks' reports of a step
             merged = super().aggregate(other)
             return KvoffloadWorkerMetadata(merged.completed_jobs, merged.transfer_stats,
-                                           [*self.failures, *getattr(other, "failures", ())])
+                                           [*self.failures, *getattr(other, "failures", ())],
+                                           [*self.remote_answers, *getattr(other, "remote_answers", ())])
 
     # pickled by name from the workers to the scheduler: found through the module's __getattr__
     KvoffloadWorkerMetadata.__module__ = __name__
     KvoffloadWorkerMetadata.__qualname__ = "KvoffloadWorkerMetadata"
     return KvoffloadWorkerMetadata
+
+
+@functools.cache
+def _handshake_class() -> type:
+    """``KvoffloadHandshake``, built on first use (as ``KvoffloadConnector``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+    @dataclass
+    class KvoffloadHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+        """What a worker tells the scheduler at start (vLLM's handshake): the chunks its persistent
+        tier found again, least recently used first."""
+
+        rank: int
+        generation: int
+        restored: list[OffloadKey]
+
+    KvoffloadHandshake.__module__ = __name__
+    KvoffloadHandshake.__qualname__ = "KvoffloadHandshake"
+    return KvoffloadHandshake
 
 
 def _connector_class() -> type:
@@ -1028,6 +1420,7 @@ def _connector_class() -> type:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
     metadata_class = _worker_metadata_class()
+    handshake_class: Any = _handshake_class()
 
     def with_spec(vllm_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -1045,6 +1438,9 @@ def _connector_class() -> type:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             with_spec(vllm_config)
             super().__init__(vllm_config, role, kv_cache_config)
+            manager = self._kvoffload_manager()
+            if manager is not None:
+                manager.asks_workers = True  # remote lookups travel in the step's metadata
             self._load_errors: set[int] = set()
             """GPU blocks of failed loads handed over by get_finished, for get_block_ids_with_load_errors."""
             self._failures: list[JobFailure] = []
@@ -1055,6 +1451,49 @@ def _connector_class() -> type:
         def _kvoffload_worker(self) -> KvoffloadWorker | None:
             worker = self.connector_worker.worker if self.connector_worker is not None else None
             return worker if isinstance(worker, KvoffloadWorker) else None
+
+        def _kvoffload_manager(self) -> KvoffloadManager | None:
+            manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
+            return manager if isinstance(manager, KvoffloadManager) else None
+
+        # -- the handshake at start: what the persistent tiers hold --------------------------
+
+        def get_handshake_metadata(self) -> Any:
+            worker = self._kvoffload_worker()
+            if worker is None or not worker.persistent:
+                return super().get_handshake_metadata()
+            return handshake_class(int(worker.rank), worker.generation, worker.claim_restored())
+
+        def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+            # every pipeline stage's ranks hold their own layers: a chunk is whole only if all hold it
+            self._adopt(metadata.values())
+
+        def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+            self._adopt(metadata.values())
+
+        def _adopt(self, reports: Collection[Any]) -> None:
+            manager = self._kvoffload_manager()
+            ours = [r for r in reports if isinstance(r, handshake_class) and r.generation == 0]
+            if manager is not None and ours:
+                with manager.lock:
+                    manager.adopt([r.restored for r in sorted(ours, key=lambda r: r.rank)])
+
+        # -- remote lookups: asked with the step's metadata, answered with the workers' ----
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            meta = super().build_connector_meta(scheduler_output)
+            manager = self._kvoffload_manager()
+            if manager is not None and manager.remote:
+                with manager.lock:
+                    meta.kvoffload_remote_asks = (manager.generation, manager.take_remote_asks())
+            return meta
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            super().bind_connector_metadata(connector_metadata)
+            worker = self._kvoffload_worker()
+            asks = getattr(connector_metadata, "kvoffload_remote_asks", None)
+            if worker is not None and asks:
+                worker.look_up_remote(*asks)
 
         def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
             super().register_kv_caches(kv_caches)  # builds the worker
@@ -1091,22 +1530,26 @@ def _connector_class() -> type:
 
         def build_connector_worker_meta(self) -> Any:
             meta = super().build_connector_worker_meta()
-            if meta is None and not self._failures:
+            worker = self._kvoffload_worker()
+            answers = worker.take_remote_answers() if worker is not None else []
+            if meta is None and not self._failures and not answers:
                 return None
             failures, self._failures = self._failures, []
-            if meta is None:  # never expected: a failed job is reported ended too
-                return metadata_class(failures=failures)
-            return metadata_class(meta.completed_jobs, meta.transfer_stats, failures)
+            if meta is None:  # remote answers, with no job ended in this step
+                return metadata_class(failures=failures, remote_answers=answers)
+            return metadata_class(meta.completed_jobs, meta.transfer_stats, failures, answers)
 
         def update_connector_output(self, connector_output: Any) -> None:
-            failures: list[JobFailure] = getattr(connector_output.kv_connector_worker_meta, "failures", None) or []
-            scheduler = self.connector_scheduler
-            if failures and scheduler is not None:
-                manager = scheduler.manager
-                if isinstance(manager, KvoffloadManager):
-                    with manager.lock:  # before vLLM completes the jobs (complete_load / complete_store)
-                        for failure in failures:
-                            manager.job_failed(failure)
+            worker_meta = connector_output.kv_connector_worker_meta
+            failures: list[JobFailure] = getattr(worker_meta, "failures", None) or []
+            answers: list[tuple[int, OffloadKey, bool]] = getattr(worker_meta, "remote_answers", None) or []
+            manager = self._kvoffload_manager()
+            if (failures or answers) and manager is not None:
+                with manager.lock:  # before vLLM completes the jobs (complete_load / complete_store)
+                    for failure in failures:
+                        manager.job_failed(failure)
+                    for generation, chunk, found in answers:
+                        manager.remote_answered(generation, [(chunk, found)])
             super().update_connector_output(connector_output)
 
         def get_kv_connector_stats(self) -> Any:
@@ -1124,9 +1567,13 @@ def _connector_class() -> type:
     return KvoffloadConnector
 
 
+_LAZY_CLASSES: dict[str, Callable[[], type]] = {"KvoffloadConnector": _connector_class, "KvoffloadWorkerMetadata": _worker_metadata_class,
+                 "KvoffloadHandshake": _handshake_class}
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("KvoffloadConnector", "KvoffloadWorkerMetadata"):
-        cls = _connector_class() if name == "KvoffloadConnector" else _worker_metadata_class()
+    if name in _LAZY_CLASSES:
+        cls = _LAZY_CLASSES[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

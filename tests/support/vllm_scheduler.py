@@ -11,6 +11,12 @@ with bytes derived from the block's hash and the weights' version; blocks a load
 poisoned first, every loaded block is checked byte for byte once its load has landed (unless the
 connector reported it as a load error), and every full prompt block of a request that finishes is
 checked byte for byte as the request finishes.
+
+A hybrid model (``groups``: several KV cache groups, such as full attention and sliding window)
+gets its KV tensors as vLLM lays them out: one backing allocation, layer-outermost, the ``l``-th
+layer of every group at the same place (``KVCacheTensor`` of each group aliasing from byte 0), so
+a block id belongs to one group at a time. Each group's blocks are written and checked in that
+group's layers only (``get_block_ids`` gives one list per group).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +36,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -65,6 +79,15 @@ ModelRegistry.register_model("KvoffloadTinyLM", TinyLM)
 init_none_hash(sha256)
 
 
+def attention(sliding_window: int | None = None) -> AttentionSpec:
+    """The KV cache spec of one of the tiny model's attention layers: full attention, or a sliding
+    window of ``sliding_window`` tokens."""
+    if sliding_window is None:
+        return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+                             sliding_window=sliding_window)
+
+
 def block_bytes(version: int, block_hash: bytes, layer: int) -> torch.Tensor:
     """What the model computes for one block of one layer under weights ``version``."""
     seed = int.from_bytes(hashlib.blake2b(b"%d/%d/" % (version, layer) + block_hash, digest_size=8).digest(), "little")
@@ -75,13 +98,23 @@ class Engine:
     """vLLM's Scheduler and a worker-side connector over CPU KV tensors, stepped as the model runner steps them."""
 
     def __init__(self, tmp_path: Any, extra: dict[str, Any], *, num_gpu_blocks: int = 64,
-                 connector: str = "KvoffloadConnector", load_failure_policy: str = "fail") -> None:
+                 connector: str = "KvoffloadConnector", load_failure_policy: str = "fail",
+                 groups: Sequence[KVCacheGroupSpec] | None = None) -> None:
+        """``groups``: the model's KV cache groups (layers and spec), in vLLM's order; by default one
+        full-attention group over ``LAYERS``. Every spec has ``BLOCK`` tokens and ``PAGE`` bytes per block."""
+        if groups is None:
+            groups = [KVCacheGroupSpec(list(LAYERS), attention())]
+        self.groups = list(groups)
+        for group in self.groups:
+            assert group.kv_cache_spec.block_size == BLOCK and group.kv_cache_spec.page_size_bytes == PAGE, group
+        self.layer_ids = {name: i for i, name in enumerate(n for g in self.groups for n in g.layer_names)}
+        """Layer name -> the index its bytes are derived from (:func:`block_bytes`)."""
         model_dir = tmp_path / "model"
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps({
             "architectures": ["KvoffloadTinyLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": len(LAYERS), "vocab_size": 1000,
-            "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": len(self.layer_ids),
+            "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
         }))
         if connector == "OffloadingConnector":
             extra = {"spec_name": "KvoffloadSpec", "spec_module_path": "kvoffload.vllm", **extra}
@@ -97,18 +130,24 @@ class Engine:
                 kv_load_failure_policy=load_failure_policy),
         )
         self.config.cache_config.num_gpu_blocks = num_gpu_blocks
+        # vLLM's layer-outermost layout: one allocation; the l-th layer of every group at l * layer_stride
+        positions = max(len(g.layer_names) for g in self.groups)
+        layer_stride = num_gpu_blocks * PAGE
         kv_cache_config = KVCacheConfig(
-            num_blocks=num_gpu_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(
-                block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16))],
+            num_blocks=num_gpu_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=positions * layer_stride, layers=list(g.layer_names),
+                                            layer_stride=layer_stride, block_stride=PAGE) for g in self.groups],
+            kv_cache_groups=self.groups,
         )
         self.scheduler = Scheduler(
             vllm_config=self.config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config),
         )
         self.worker_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
-        self.kv = {name: torch.zeros(num_gpu_blocks, 2, BLOCK, 2, 16, dtype=torch.bfloat16) for name in LAYERS}
-        self.pages = [t.view(num_gpu_blocks, -1).view(torch.int8) for t in self.kv.values()]
+        backing = torch.zeros(positions, num_gpu_blocks, 2, BLOCK, 2, 16, dtype=torch.bfloat16)
+        self.kv = {name: backing[pos] for g in self.groups for pos, name in enumerate(g.layer_names)}
+        self.pages = [backing[pos].view(num_gpu_blocks, -1).view(torch.int8) for pos in range(positions)]
+        """Each layer position's pages (int8, one row per GPU block), shared by that position's layer of every group."""
         self.worker_connector.register_kv_caches(self.kv)
         # vLLM's engine core hands the workers' handshake metadata, keyed (pp_rank, tp_rank), to the scheduler's connector
         handshake = self.worker_connector.get_handshake_metadata()
@@ -119,6 +158,11 @@ class Engine:
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.loads_checked = 0
         self.loaded_blocks: dict[str, int] = {}
+        """GPU blocks loaded per request id, in the first group (full attention: one per ``BLOCK`` tokens loaded)."""
+        self.loaded_group_blocks: dict[str, list[int]] = {}
+        """GPU blocks loaded per request id, per group."""
+        self.checked_loads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        """Each load checked: its request id, its blocks per group and each group's first block index."""
         self.load_jobs: collections.Counter[str] = collections.Counter()
         """Load jobs per request id."""
         self.sync_loads = 0
@@ -159,8 +203,17 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def expected(self, block_hash: bytes) -> list[torch.Tensor]:
-        return [block_bytes(self.version, block_hash, i) for i in range(len(LAYERS))]
+    def expected(self, block_hash: bytes, group: int = 0) -> list[torch.Tensor]:
+        """What the model computes for one block of ``group``, per layer of the group (its layer positions, in order)."""
+        return [block_bytes(self.version, block_hash, self.layer_ids[name]) for name in self.groups[group].layer_names]
+
+    def _check_block(self, what: str, group: int, index: int, block_id: int, block_hash: bytes) -> None:
+        """GPU block ``block_id`` holds block ``index`` of ``group`` in every layer of the group."""
+        assert block_id != 0, f"{what}: block {index} of group {group} is vLLM's null block"
+        for pos, want in enumerate(self.expected(block_hash, group)):
+            assert torch.equal(self.pages[pos][block_id], want), (
+                f"{what}: block {index} (GPU block {block_id}) of group {group}'s layer {pos} does not hold "
+                f"the bytes computed under weights v{self.version}")
 
     def _check_load(self, job: Any, load_errors: set[int]) -> None:
         if load_errors & set(job.dst_spec.block_ids.tolist()):
@@ -170,15 +223,20 @@ class Engine:
         if req.is_finished():  # aborted while it loaded: its blocks go back to the pool unread
             self.abandoned_loads += 1
             return
-        first = int(job.dst_spec.block_indices[0])
-        for i, block_id in enumerate(job.dst_spec.block_ids.tolist()):
-            want = self.expected(req.block_hashes[first + i])
-            for layer, page in enumerate(self.pages):
-                assert torch.equal(page[block_id], want[layer]), (
-                    f"{job.req_id}: block {first + i} (GPU block {block_id}) of layer {layer} does not hold the "
-                    f"bytes computed under weights v{self.version}")
+        block_ids = job.dst_spec.block_ids.tolist()
+        sizes = [int(n) for n in job.dst_spec.group_sizes]
+        assert len(sizes) == len(self.groups) and sum(sizes) == len(block_ids)
+        offset = 0
+        for group, (n, first) in enumerate(zip(sizes, job.dst_spec.block_indices)):
+            for i, block_id in enumerate(block_ids[offset:offset + n]):
+                self._check_block(f"{job.req_id} loaded", group, int(first) + i, block_id, req.block_hashes[int(first) + i])
+            offset += n
         self.loads_checked += 1
-        self.loaded_blocks[job.req_id] = self.loaded_blocks.get(job.req_id, 0) + len(job.dst_spec.block_ids)
+        self.checked_loads.append((job.req_id, tuple(sizes), tuple(int(i) for i in job.dst_spec.block_indices)))
+        self.loaded_blocks[job.req_id] = self.loaded_blocks.get(job.req_id, 0) + sizes[0]
+        counts = self.loaded_group_blocks.setdefault(job.req_id, [0] * len(self.groups))
+        for group, n in enumerate(sizes):
+            counts[group] += n
 
     def step(self, wait_when_idle: bool = True) -> Any:
         """One engine step; a step that schedules nothing first waits (on events) for the transfers in flight."""
@@ -226,7 +284,7 @@ class Engine:
                 failed_recving=results.failed_recving),
         )
         # the block tables as this step's forward pass read them: a request that finishes frees its blocks
-        contexts = {r: (self.scheduler.requests[r], self.scheduler.kv_cache_manager.get_block_ids(r)[0]) for r in req_ids}
+        contexts = {r: (self.scheduler.requests[r], self.scheduler.kv_cache_manager.get_block_ids(r)) for r in req_ids}
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
         for req, block_ids in contexts.values():
             if req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
@@ -241,27 +299,30 @@ class Engine:
                 self.hit_sources.update(sched_stats.connector_prefix_cache_stats.hits_by_source)
         return out
 
-    def _check_context(self, req: Request, block_ids: list[int]) -> None:
-        """Every full prompt block of a request that finished holds what the model computes for it."""
-        for b in range(req.num_prompt_tokens // BLOCK):
-            want = self.expected(req.block_hashes[b])
-            for layer, page in enumerate(self.pages):
-                assert torch.equal(page[block_ids[b]], want[layer]), (
-                    f"{req.request_id} finished with block {b} (GPU block {block_ids[b]}) of layer {layer} not holding "
-                    f"the bytes computed under weights v{self.version}")
+    def _check_context(self, req: Request, block_ids: Sequence[list[int]]) -> None:
+        """Every full prompt block of a request that finished holds what the model computes for it, in
+        every group that still holds it (a sliding window group gave the blocks behind its window back)."""
+        for group, (spec, ids) in enumerate(zip(self.groups, block_ids)):
+            for b in range(req.num_prompt_tokens // BLOCK):
+                if ids[b] == 0 and isinstance(spec.kv_cache_spec, SlidingWindowSpec):
+                    continue
+                self._check_block(f"{req.request_id} finished with", group, b, ids[b], req.block_hashes[b])
         self.contexts_checked.add(req.request_id)
 
     def _forward(self, out: Any) -> None:
-        """Write what the model computes: every block whose last token was computed this step."""
+        """Write what the model computes: every block whose last token was computed this step, in each
+        group's layers."""
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # schedule() already counted this step's tokens
             begin = end - n
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            for b in range(begin // BLOCK, end // BLOCK):
-                if (b + 1) * BLOCK > begin:
-                    for layer, page in enumerate(self.pages):
-                        page[block_ids[b]] = block_bytes(self.version, req.block_hashes[b], layer)
+            for group, block_ids in enumerate(self.scheduler.kv_cache_manager.get_block_ids(req_id)):
+                for b in range(begin // BLOCK, end // BLOCK):
+                    if (b + 1) * BLOCK > begin:
+                        assert block_ids[b] != 0, f"{req_id}: block {b} of group {group} computed into the null block"
+                        for pos, name in enumerate(self.groups[group].layer_names):
+                            self.pages[pos][block_ids[b]] = block_bytes(self.version, req.block_hashes[b],
+                                                                         self.layer_ids[name])
 
     def run(self, *requests: list[int], max_steps: int = 200) -> list[Request]:
         """Add requests for these prompts, step until they finished and every transfer ended."""
