@@ -143,6 +143,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, Transfer
 from . import _check_remote_url as check_remote_url
+from ._vllm_versions import is_sync_load, manager_lock, sliding_window_chunks
 from . import _parse_size as parse_size
 from . import _slot_bytes_for as slot_bytes_for
 
@@ -307,7 +308,7 @@ def rank_fingerprint(config: OffloadingConfig, given: str | None) -> str:
     return "; ".join((
         f"vllm model={config.model.name} kv_dtype={config.model.dtype} layout={config.kv_cache_layout}",
         f"tokens_per_hash={cache.tokens_per_hash} blocks_per_chunk={cache.blocks_per_chunk}",
-        "groups=" + ",".join(f"{g.group_id}:{g.tokens_per_block}:{g.sliding_window_size_in_chunks}:{len(g.layer_names)}:"
+        "groups=" + ",".join(f"{g.group_id}:{g.tokens_per_block}:{sliding_window_chunks(g)}:{len(g.layer_names)}:"
                              f"{hashlib.blake2b(chr(0).join(g.layer_names).encode(), digest_size=4).hexdigest()}"
                              for g in config.groups),
         f"pp={p.pp_size} tp={p.tp_size} pcp={p.pcp_size} dcp={p.dcp_size} rank={p.rank}",
@@ -1475,7 +1476,7 @@ def _connector_class() -> type:
             manager = self._kvoffload_manager()
             ours = [r for r in reports if isinstance(r, handshake_class) and r.generation == 0]
             if manager is not None and ours:
-                with manager.lock:
+                with manager_lock(manager):
                     manager.adopt([r.restored for r in sorted(ours, key=lambda r: r.rank)])
 
         # -- remote lookups: asked with the step's metadata, answered with the workers' ----
@@ -1484,7 +1485,7 @@ def _connector_class() -> type:
             meta = super().build_connector_meta(scheduler_output)
             manager = self._kvoffload_manager()
             if manager is not None and manager.remote:
-                with manager.lock:
+                with manager_lock(manager):
                     meta.kvoffload_remote_asks = (manager.generation, manager.take_remote_asks())
             return meta
 
@@ -1506,7 +1507,7 @@ def _connector_class() -> type:
             if self._kvoffload_worker() is not None:
                 # a sync load has ended already: its request runs this step
                 self._load_reqs.update((j, job.req_id) for j, job in self._connector_metadata.load_jobs.items()
-                                       if not job.sync)
+                                       if not is_sync_load(job))
 
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
             worker = self._kvoffload_worker()
@@ -1545,7 +1546,7 @@ def _connector_class() -> type:
             answers: list[tuple[int, OffloadKey, bool]] = getattr(worker_meta, "remote_answers", None) or []
             manager = self._kvoffload_manager()
             if (failures or answers) and manager is not None:
-                with manager.lock:  # before vLLM completes the jobs (complete_load / complete_store)
+                with manager_lock(manager):  # before vLLM completes the jobs (complete_load / complete_store)
                     for failure in failures:
                         manager.job_failed(failure)
                     for generation, chunk, found in answers:
