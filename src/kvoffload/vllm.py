@@ -532,8 +532,8 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
             return LookupResult.MISS if key in self._failed else LookupResult.HIT
         if key in self._storing:
             return LookupResult.HIT_PENDING
-        if not (self.remote and self.asks_workers) or key in self._step_evictions:
-            return LookupResult.MISS
+        if not (self.remote and self.asks_workers) or key in self._step_evictions or key in self._to_discard:
+            return LookupResult.MISS  # (a chunk forgotten after a failure: the workers may still hold its old blocks)
         known = self._remote_known.get(key)
         if known is not None and known[1] > time.monotonic():
             return LookupResult.HIT if known[0] and self._claim_room(key) else LookupResult.MISS
