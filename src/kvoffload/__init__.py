@@ -28,10 +28,12 @@ from ._core.workers.transfer import Transfer, TransferResult
 # from here so that this module and kvoffload._testing are the only ones outside _core to import it.
 from ._core.base import layout as _layout
 from ._core.base import options as _options
+from ._core.workers import worker_loop as _worker_loop
 
 _slot_bytes_for = _layout.slot_bytes_for
 _parse_size = _options.parse_size
-del _layout, _options
+_WorkerLoop = _worker_loop.WorkerLoop
+del _layout, _options, _worker_loop
 
 
 def _check_remote_url(url: str) -> None:

@@ -115,7 +115,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Coroutine, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import CapacityError, Offloader, Options, Transfer
+from . import _WorkerLoop as WorkerLoop
 from . import _check_remote_url as check_remote_url
 from ._vllm_versions import is_sync_load, manager_lock, sliding_window_chunks
 from . import _parse_size as parse_size
@@ -742,14 +743,13 @@ class KvoffloadManager(OffloadingManager):  # type: ignore[misc]
         asks, self._asks = self._asks, []
         return asks
 
-    def remote_answered(self, generation: int, answers: Collection[tuple[OffloadKey, bool]]) -> None:
-        """Ranks' answers to remote lookups (``KvoffloadConnector`` passes on the workers' metadata): a
-        chunk is a remote hit once every rank found all its blocks; the answer holds for a while."""
-        if generation != self.generation:
-            return  # asked before a reset
+    def remote_answered(self, answers: Collection[tuple[int, OffloadKey, bool]]) -> None:
+        """Ranks' answers to remote lookups, ``(generation, chunk, found)`` (``KvoffloadConnector``
+        passes on the workers' metadata): a chunk is a remote hit once every rank found all its
+        blocks; the answer holds for a while. Answers to asks made before a reset are ignored."""
         now = time.monotonic()
-        for key, found in answers:
-            votes = self._asking.get(key)
+        for generation, key, found in answers:
+            votes = self._asking.get(key) if generation == self.generation else None
             if votes is None:
                 continue
             votes[0] += 1
@@ -920,7 +920,9 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self._remote_answers: list[tuple[int, OffloadKey, bool]] = []
         """Remote lookups answered and not yet taken: ``(generation, chunk, found)``."""
         self._remote_lookups = 0
-        self._lookups: _LookupLoop | None = _LookupLoop() if options.get("remote") is not None else None
+        self._lookups = WorkerLoop("kvoffload-vllm-lookups") if options.get("remote") is not None else None
+        """The loop of this rank's remote lookups: vLLM calls the worker from threads that must never
+        wait for the network."""
 
     # -- what a restart finds, what the remote holds -----------------------------------------
 
@@ -970,18 +972,21 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
         found stays loadable by this rank's offloader for a minute."""
         if self._lookups is None or not chunks:
             return
+        with self._lock:
+            self._remote_lookups += len(chunks)
         for chunk in chunks:
-            keys = self._blocks_of(generation, [chunk])
+            asyncio.run_coroutine_threadsafe(self._look_up(generation, chunk), self._lookups.loop)
 
-            def answered(found: int, chunk: OffloadKey = chunk, wanted: int = len(keys)) -> None:
-                with self._lock:
-                    self._remote_answers.append((generation, chunk, found == wanted))
-                    self._remote_lookups -= 1
-
-            with self._lock:
-                self._remote_lookups += 1
-
-            self._lookups.run(self.offloader.alookup(keys), answered)
+    async def _look_up(self, generation: int, chunk: OffloadKey) -> None:
+        """One chunk's remote lookup, on the lookup loop: found if the remote holds all its blocks."""
+        keys = self._blocks_of(generation, [chunk])
+        try:
+            found = await self.offloader.alookup(keys) == len(keys)
+        except Exception:  # a closed offloader, say: nothing found
+            found = False
+        with self._lock:
+            self._remote_answers.append((generation, chunk, found))
+            self._remote_lookups -= 1
 
     @property
     def remote_lookups_running(self) -> int:
@@ -1314,45 +1319,8 @@ class KvoffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self._lookups is not None:
-            self._lookups.close()
+            self._lookups.stop(5.0)  # lookups still running are dropped
         self.offloader.close()
-
-
-class _LookupLoop:
-    """A thread running an asyncio loop for one worker's remote lookups (``Offloader.alookup``): vLLM
-    calls the worker from its own threads, which must never wait for the network."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvoffload-vllm-lookups", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, int], answered: Callable[[int], None]) -> None:
-        """Run ``coro`` on the loop; ``answered(result)`` on the loop's thread (0 should it fail)."""
-
-        async def answer() -> None:
-            try:
-                found = await coro
-            except Exception:  # a closed offloader, say: nothing found
-                found = 0
-            answered(found)
-
-        asyncio.run_coroutine_threadsafe(answer(), self.loop)
-
-    def close(self) -> None:
-        """Stop the loop (lookups still running are dropped) and its thread."""
-        async def cancel_all() -> None:
-            current = asyncio.current_task()
-            for task in asyncio.all_tasks():
-                if task is not current:
-                    task.cancel()
-
-        with contextlib.suppress(RuntimeError):
-            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 def _start_offloader(
@@ -1549,8 +1517,7 @@ def _connector_class() -> type:
                 with manager_lock(manager):  # before vLLM completes the jobs (complete_load / complete_store)
                     for failure in failures:
                         manager.job_failed(failure)
-                    for generation, chunk, found in answers:
-                        manager.remote_answered(generation, [(chunk, found)])
+                    manager.remote_answered(answers)
             super().update_connector_output(connector_output)
 
         def get_kv_connector_stats(self) -> Any:
