@@ -48,13 +48,11 @@ def test_options_after_kv_caches_are_keyword_only(caches):
 def test_options_are_frozen_and_hold_the_given_values(caches, tmp_path):
     path = str(tmp_path / "kv")
     off = kvoffload.Offloader(caches, host_blocks=16, disk_path=path, disk_blocks=8, chunk_bytes=3 * 4096,
-                              completion="thread", use_batch_copy=False, io_threads=2, use_page_cache=True, copy_engine="dma",
-                              gather_priority="high")
+                              use_batch_copy=False, io_threads=2, use_page_cache=True, copy_engine="dma")
     opts = off.options
     assert isinstance(opts, kvoffload.Options)
     assert (opts.host_blocks, opts.disk_path, opts.disk_blocks, opts.chunk_bytes) == (16, path, 8, 3 * 4096)
-    assert (opts.completion, opts.use_batch_copy, opts.io_threads, opts.use_page_cache) == ("thread", False, 2, True)
-    assert (opts.copy_engine, opts.gather_priority) == ("dma", "high")
+    assert (opts.use_batch_copy, opts.io_threads, opts.use_page_cache, opts.copy_engine) == (False, 2, True, "dma")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.host_blocks = 32
     assert off.options.host_blocks == 16

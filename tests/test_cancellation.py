@@ -8,6 +8,7 @@ import threading
 import pytest
 
 import kvoffload
+from kvoffload._core.workers.job import Job
 from support.caches import check_every_visible_key, random_caches, same_bytes
 from support.interrupts import NotingCancel
 from support.standins import StandInCopier, StandInEvent, StandInFlag
@@ -162,15 +163,12 @@ async def test_close_cancels_in_flight_transfers(faults):
 # -- loads enqueued whole that stop on a cancel flag (the GPU path), driven by a fake copier ----------
 
 
-class _Steps:
-    reports_landings = False
-    taken = None
+class _Steps(Job):
+    """A load's job that counts its cleanups."""
 
     def __init__(self) -> None:
+        super().__init__("load")
         self.cleanups = 0
-
-    def landed(self, i: int) -> None:
-        pass
 
     def result(self):
         return kvoffload.TransferResult("load", (), (), 0, 0.0)
@@ -179,36 +177,50 @@ class _Steps:
         self.cleanups += 1
 
 
+class _RingCountingCopier(StandInCopier):
+    """Counts the rings the landing watcher asks for."""
+
+    def __init__(self, flag: StandInFlag) -> None:
+        super().__init__(flag)
+        self.rings = 0
+
+    def ring_when_complete(self, event, alarm) -> None:
+        self.rings += 1
+        super().ring_when_complete(event, alarm)
+
+
 def _worker_with_flag(flag: StandInFlag):
+    """A GPU load worker over a stand-in copier, running a load of three chunks enqueued at call time."""
     import torch
 
-    from kvoffload._core.workers.copy_submission import CopyCalls, CopyRequest, HandOver
-    from kvoffload._core.workers.host_copy_jobs import HostCopyJob
-    from kvoffload._core.runtime import start_copy_worker
-    from kvoffload._core.workers.transfer import TransferControl
+    from kvoffload._core.workers.copy_submission import CopyCalls, CopyRequest
+    from kvoffload._core.workers.copy_worker import CopyWorker
 
-    copier = StandInCopier(flag)
-    worker = start_copy_worker("load", "kvoffload-test-load", copier, CopyCalls(), completion="poll")
-    loop = worker.loop
+    copier = _RingCountingCopier(flag)
+    worker = CopyWorker("load", "kvoffload-test-load", copier, CopyCalls(), gpu=True)
     host = torch.zeros((12, 16), dtype=torch.uint8)
     requests = [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(3)]
-    steps = _Steps()
-    control = TransferControl("load")
-    transfer = control.transfer
-    hand_over = HandOver()
-    enqueued = worker.submitter.enqueue(requests, None, hand_over)
-    worker.host_jobs.start(HostCopyJob(control, hand_over, steps, lambda *a: None, copies=enqueued))
-    return loop, copier, steps, transfer
+    job = _Steps()
+    worker.start(job, None, requests)
+    return worker, copier, job, job.transfer
 
 
 @pytest.mark.parametrize("raise_lands_at_once", [True, False], ids=["raised at once", "raise lands later"])
-def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_completes(raise_lands_at_once):
+def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_completes(monkeypatch, raise_lands_at_once):
     """A load of three chunks, enqueued whole with a cancel flag, cancelled while chunk 1 copies: the
     flag is raised, and the load ends cancelled when the first chunk not complete once the raise has
     landed completes (chunk 1, or chunk 2 if chunk 1 completed before the raise landed), not after
-    the last chunk; the flag goes back only once the last chunk, which reads it, has completed."""
+    the last chunk; the flag goes back only once the last chunk, which reads it, has completed, and
+    meanwhile the landing watcher waits for one ring for that chunk (it does not ask again and again
+    for the chunk the load ended with)."""
+    from kvoffload._core.base.cross_thread import WakeSemaphore
+    from kvoffload._core.workers import landings
+
+    # it looks when rung (a semaphore of its own: none of the pool's stale rings), and every look asks for a ring
+    monkeypatch.setattr(landings, "take_wake_semaphore", WakeSemaphore)
+    monkeypatch.setattr(landings.LandingWatcher, "RECHECK_S", 60.0)
     flag = StandInFlag(raise_lands_at_once)
-    loop, copier, steps, transfer = _worker_with_flag(flag)
+    worker, copier, steps, transfer = _worker_with_flag(flag)
     try:
         assert copier.flagged_chunks == 3, "the chunks were not enqueued reading the cancel flag"
         copier.events[0].complete()
@@ -229,13 +241,16 @@ def test_a_load_enqueued_whole_ends_once_the_chunk_running_at_the_cancel_complet
             transfer.result(timeout=10)
         assert steps.cleanups == 1
         if running is not copier.events[-1]:
-            assert not flag.released.is_set(), "the flag went back while a chunk reading it was queued"
+            rings = copier.rings
+            assert not flag.released.wait(0.05), "the flag went back while a chunk reading it was queued"
+            assert copier.rings - rings <= 1, f"the watcher asked for {copier.rings - rings} rings while the cancelled load's last chunk ran"
             copier.events[-1].complete()
         assert flag.released.wait(10)
     finally:
         for e in copier.events:
             e.complete()
-        loop.stop(5)
+        worker.stop(5)
+        worker.close()
 
 
 class _Words:

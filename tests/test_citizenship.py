@@ -94,7 +94,7 @@ def test_raising_a_failed_transfers_error_again_neither_grows_it_nor_pins_caller
 # -- cancel() racing close() ----------------------------------------------------------------------
 
 
-def test_cancel_racing_close_does_not_raise(faults):
+def test_cancel_racing_close_does_not_raise(faults, monkeypatch):
     """``cancel()`` found the transfer running; before it reached the worker, ``close()`` stopped it.
     The cancel returns quietly: close() ended the transfer already."""
     caches = random_caches(16, seed=92)
@@ -104,15 +104,17 @@ def test_cancel_racing_close_does_not_raise(faults):
         gate = faults.gate(off, "to_host")
         t = off.store({"a": 0, "b": 1, "c": 2})
         gate.wait_entered()
-        assert t._canceller is not None, "the store did not run as a worker task"
-        cancel_on_worker = t._canceller
+        job = t._job
+        assert job is not None and job.task is not None, "the store did not run as a worker task"
+        worker = job.worker
+        cancel_on_worker = worker.cancel
 
-        def close_then_cancel_on_worker() -> None:  # cancel() passed its check; close() gets in first
+        def close_then_cancel_on_worker(j) -> None:  # cancel() passed its check; close() gets in first
             gate.open()
             off.close()
-            cancel_on_worker()
+            cancel_on_worker(j)
 
-        t._canceller = close_then_cancel_on_worker
+        monkeypatch.setattr(worker, "cancel", close_then_cancel_on_worker)
         t.cancel()  # must not raise
         assert t.done()
         with pytest.raises(kvoffload.TransferCancelled):

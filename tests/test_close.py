@@ -4,12 +4,13 @@ leaves every counter where it was."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
 
 import kvoffload
-from kvoffload._core.tiers.tiered_storage import TieredStorage
+from kvoffload._core.workers.copy_worker import CopyWorker
 
 from support.caches import random_caches
 
@@ -22,14 +23,14 @@ def stalled_store(monkeypatch):
     """Makes the next store() stall inside the call, after its slots are reserved (as a GPU store
     does when the driver's queue is full behind a stalled stream), until ``release`` is set."""
     inside, release = threading.Event(), threading.Event()
-    real = TieredStorage.start_store
+    real = CopyWorker.start
 
-    def start_store(self, *args):
+    def start(self, *args):
         inside.set()
         release.wait(BOUND_S)
         return real(self, *args)
 
-    monkeypatch.setattr(TieredStorage, "start_store", start_store)
+    monkeypatch.setattr(CopyWorker, "start", start)
     return inside, release
 
 
@@ -87,23 +88,29 @@ def test_close_with_no_timeout_waits_as_long_as_it_takes():
     assert off.closed and not [t for t in threading.enumerate() if t.name.startswith("kvoffload")]
 
 
-def test_close_from_a_keys_hash_inside_a_store_of_the_same_thread_hands_off_and_completes():
+def test_close_from_a_signal_handler_inside_a_store_of_the_same_thread_hands_off_and_completes():
     off = kvoffload.Offloader(random_caches(8), host_blocks=4).start()
+    index = off._running_storage().index
+    reserve = index.reserve
+    closed_in_handler: list[bool] = []
 
-    class ClosingKey:
-        hashes = 0
+    def handler(signum, frame) -> None:
+        off.close(timeout=BOUND_S)  # inside this thread's store() call: it cannot wait for the call
+        closed_in_handler.append(off.closed)
 
-        def __hash__(self) -> int:
-            ClosingKey.hashes += 1
-            if ClosingKey.hashes == 2:  # the first hash is the argument's check, before the call counts
-                off.close(timeout=BOUND_S)
-            return 7
+    def reserve_after_a_signal(*args, **kwargs):
+        signal.raise_signal(signal.SIGUSR1)  # its handler runs in this thread, before the reservation
+        return reserve(*args, **kwargs)
 
+    previous = signal.signal(signal.SIGUSR1, handler)
+    index.reserve = reserve_after_a_signal  # type: ignore[method-assign]
     try:
-        off.store({ClosingKey(): 1})
+        off.store({"k": 1})
     except kvoffload.OffloadError:
         pass  # closed under the call: the store may or may not have started
-    assert off.closed
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert closed_in_handler == [True] and off.closed
     for t in threading.enumerate():
         if t.name == "kvoffload-close":  # the handed-off close: let it finish
             t.join(BOUND_S)

@@ -1,7 +1,8 @@
-"""Who ends a GPU transfer enqueued at call time: its worker, or the thread that waits for it once its
-copies have landed (with no hop through a worker that may not get the GIL for milliseconds).
-Either way it ends exactly once, with every landing reported once and in order. Driven on the CPU
-by a stand-in copier whose copy events the test completes by hand."""
+"""Who ends a GPU transfer enqueued at call time: the worker's landing watcher, which the driver rings
+once a copy completes, or the thread that waits for it (``done()``, ``result()``, ``await``) once its
+copies have landed, with no hop through another thread that may not get the GIL for milliseconds.
+Either way it ends exactly once, with every landing reported once and in order, and cleaned up once.
+Driven on the CPU by a stand-in copier whose copy events the test completes by hand."""
 
 from __future__ import annotations
 
@@ -11,22 +12,33 @@ import threading
 import pytest
 
 import kvoffload
-import kvoffload._core.workers.copy_submission
-from support.standins import StandInCopier, StandInEvent, StandInFlag
-from support.waiting import HANG_S, spin_until
+from kvoffload._core.base.cross_thread import WakeSemaphore
+from kvoffload._core.workers import job as job_module
+from kvoffload._core.workers import landings as landings_module
+from kvoffload._core.workers.copy_submission import CopyCalls, CopyRequest
+from kvoffload._core.workers.copy_worker import CopyWorker
+from kvoffload._core.workers.job import Job
+from kvoffload._core.workers.landings import LandingWatcher
+from support.standins import StandInCopier, StandInFlag
+from support.waiting import blocked, HANG_S, spin_until
+
+WORKER = "kvoffload-test-worker"
+WATCHER = f"{WORKER}-landings"
 
 
-class _PublishingSteps:
-    """A store's steps: records each landing (as a store publishes chunk by chunk) and each end."""
+class Steps(Job):
+    """A transfer's job as the tiers' plans make it: records each landing (as a store publishes
+    chunk by chunk), each cleanup and each end, with the name of the thread that ended it."""
 
-    reports_landings = True
-    taken = None
-
-    def __init__(self) -> None:
+    def __init__(self, reports_landings: bool = True) -> None:
+        super().__init__("store")
+        self.reports_landings = reports_landings
         self.landings: list[int] = []
         self.cleanups = 0
-        self.ends: list[tuple[object, bool]] = []
+        self.ends: list[tuple[object, BaseException | None, bool]] = []
         self.end_threads: list[str] = []
+        self.finished = threading.Event()
+        """Set once it ended (waiting on it ends nothing, as ``result()`` or ``done()`` may)."""
 
     def landed(self, i: int) -> None:
         self.landings.append(i)
@@ -37,188 +49,317 @@ class _PublishingSteps:
     def cleanup(self) -> None:
         self.cleanups += 1
 
-    def ended(self, result, exc, cancelled) -> None:
-        self.ends.append((result, cancelled))
+    def count_end(self, result, exc, cancelled) -> None:
+        self.ends.append((result, exc, cancelled))
         self.end_threads.append(threading.current_thread().name)
+        self.finished.set()
+
+
+class HeldRingsCopier(StandInCopier):
+    """A stand-in copier whose rings the driver holds back until :meth:`let_rings_through` (never,
+    unless the test says): the landing watcher then looks only when the test rings it itself."""
+
+    def __init__(self, flag: StandInFlag) -> None:
+        super().__init__(flag)
+        self._lock = threading.Lock()
+        self._through = False
+        self._held: list = []
+
+    def ring_when_complete(self, event, alarm) -> None:
+        with self._lock:
+            if not self._through:
+                self._held.append((event, alarm))
+                return
+        super().ring_when_complete(event, alarm)
+
+    def let_rings_through(self) -> None:
+        with self._lock:
+            self._through = True
+            held, self._held = self._held, []
+        for event, alarm in held:
+            super().ring_when_complete(event, alarm)
 
 
 class _Rig:
-    """A worker loop with the stand-in copier; :meth:`hold` keeps its thread busy until released."""
+    """A GPU load worker over a stand-in copier; :meth:`hold` keeps its loop's thread busy until released."""
 
-    def __init__(self) -> None:
-        from kvoffload._core.workers.copy_submission import CopyCalls
-        from kvoffload._core.runtime import start_copy_worker
-
-        self.copier = StandInCopier(StandInFlag(raise_lands_at_once=True))
-        self.worker = start_copy_worker("load", "kvoffload-test-worker", self.copier, CopyCalls(), completion="poll")
+    def __init__(self, copier: StandInCopier | None = None) -> None:
+        self.copier = copier if copier is not None else StandInCopier(StandInFlag(raise_lands_at_once=True))
+        self.worker = CopyWorker("load", WORKER, self.copier, CopyCalls(), gpu=True)
         self.loop = self.worker.loop
+        self.watcher = self.worker._watcher
+        assert self.watcher is not None
         self._release = threading.Event()
 
     def hold(self) -> None:
-        """Block the worker's thread (as a worker that cannot get the GIL) until :meth:`let_go`."""
+        """Block the loop's thread (as a worker that cannot get the GIL) until :meth:`let_go`; once let
+        go, returns when the loop ran everything posted before."""
         held = threading.Event()
 
         def block() -> None:
             held.set()
-            self._release.wait(10)
+            self._release.wait(HANG_S)
 
         self.loop.mailbox.post(block)
-        assert held.wait(10)
+        assert held.wait(HANG_S)
 
     def let_go(self) -> None:
         self._release.set()
+
+    def look(self) -> None:
+        """Wake the landing watcher as a ring would."""
+        self.watcher._semaphore.ring()
+
+    def dropped(self, job: Job) -> None:
+        """Wait until the watcher follows ``job`` no more."""
+        spin_until(lambda: job not in self.watcher.jobs(), what="the watcher dropped the job")
 
     @staticmethod
     def requests(chunks: int) -> list:
         """Copies of ``chunks`` chunks of 4 blocks into the cache."""
         import torch
 
-        from kvoffload._core.workers.copy_submission import CopyRequest
-
         host = torch.zeros((4 * chunks, 16), dtype=torch.uint8)
         return [CopyRequest(False, host, [4 * c + i for i in range(4)], [4 * c + i for i in range(4)]) for c in range(chunks)]
 
-    def start(self, chunks: int = 3):
-        from kvoffload._core.workers.copy_submission import HandOver
-        from kvoffload._core.workers.host_copy_jobs import HostCopyJob
-        from kvoffload._core.workers.transfer import TransferControl
-
-        requests = self.requests(chunks)
-        steps = _PublishingSteps()
-        control = TransferControl("store")
-        transfer = control.transfer
+    def start(self, chunks: int = 3, reports_landings: bool = True):
+        """Start a transfer of ``chunks`` copies as the tiers do; returns (its transfer, its job, its copies' events)."""
         first = len(self.copier.events)
-        hand_over = HandOver()
-        enqueued = self.worker.submitter.enqueue(requests, None, hand_over)
-        self.worker.host_jobs.start(HostCopyJob(control, hand_over, steps, steps.ended, copies=enqueued))
-        return transfer, steps, self.copier.events[first:]
-
-    def result_landing_once_asleep(self, transfer, events, asleep: threading.Event):
-        """``transfer.result()`` in this thread with the worker held, while another thread completes
-        ``events`` once ``asleep`` says the waiter sleeps; returns (the result, whether it slept).
-        Should the waiter never sleep, the worker is let go to end the transfer: the test then fails
-        on the returned flag instead of hanging."""
-        self.hold()
-        slept: list[bool] = []
-
-        def land() -> None:
-            slept.append(asleep.wait(10))
-            for e in events:
-                e.complete()
-            if not slept[0]:
-                self.let_go()
-
-        lander = threading.Thread(target=land)
-        lander.start()
-        result = transfer.result()
-        lander.join()
-        return result, slept[0]
+        job = Steps(reports_landings)
+        self.worker.start(job, None, self.requests(chunks))
+        return job.transfer, job, self.copier.events[first:]
 
     def close(self) -> None:
         self.let_go()
+        if isinstance(self.copier, HeldRingsCopier):
+            self.copier.let_rings_through()
         for e in self.copier.events:
             e.complete()
-        self.loop.stop(5)
+        assert self.worker.stop(5)
+        self.worker.close()
+
+
+def fresh_wake_semaphores(monkeypatch) -> None:
+    """Watchers made from now on sleep on a semaphore of their own, not one from the pool, which a
+    ring meant for an earlier sleeper may still wake (harmless: a watcher woken early looks again,
+    but a test that must know when it looks cannot have it)."""
+    monkeypatch.setattr(landings_module, "take_wake_semaphore", WakeSemaphore)
 
 
 @pytest.fixture
-def rig():
+def rig(monkeypatch):
+    fresh_wake_semaphores(monkeypatch)
     r = _Rig()
     yield r
     r.close()
 
 
-def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_thread(rig):
+@pytest.fixture
+def quiet_rig(monkeypatch):
+    """A rig whose landing watcher looks only when the test rings it (:meth:`_Rig.look`): the driver
+    holds its rings back and the watcher's rechecks are a minute apart."""
+    fresh_wake_semaphores(monkeypatch)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    r = _Rig(HeldRingsCopier(StandInFlag(raise_lands_at_once=True)))
+    yield r
+    r.close()
+
+
+def fail_on_device(event) -> None:
+    """``event`` completes with an asynchronous CUDA error: asking about it raises."""
+
+    def illegal_address(*_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    event.query = illegal_address
+    event.synchronize = illegal_address
+    event.complete()
+
+
+# -- who ends it ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["done", "result", "await"])
+def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_thread(quiet_rig, how):
+    """The watcher cannot look (no ring comes): the waiter that finds the copies landed ends the
+    transfer itself, reporting every landing once and in order; the watcher, looking later, drops it
+    without reporting anything again."""
+    rig = quiet_rig
     transfer, steps, events = rig.start()
-    rig.hold()  # the worker cannot run: only the waiting thread can end the transfer
-    with pytest.raises(TimeoutError):  # copies still running: nobody ends it
-        transfer.result(timeout=0.05)
-    for e in events:
-        e.complete()
-    assert transfer.result(timeout=0.05).kind == "store"
+    if how == "done":
+        assert not transfer.done()
+        for e in events[:2]:
+            e.complete()
+        assert not transfer.done(), "ended before its last copy completed"
+        events[2].complete()
+        assert transfer.done(), "done() did not end the landed transfer"
+        assert transfer.result(0).kind == "store"
+    elif how == "result":
+        with pytest.raises(TimeoutError):  # copies still running: nobody ends it
+            transfer.result(timeout=0.05)
+        for e in events:
+            e.complete()
+        assert transfer.result(timeout=0.05).kind == "store"
+    else:
+        for e in events:
+            e.complete()
+
+        async def wait():
+            return await asyncio.wait_for(transfer, 1)
+
+        assert asyncio.run(wait()).kind == "store"
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1
     assert steps.end_threads == [threading.current_thread().name]
     assert rig.copier.flag.released.is_set()
-    rig.let_go()  # the worker then finds it ended: nothing is reported twice
-    rig.hold()
+    rig.look()
+    rig.dropped(steps)
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
 
 
-def test_a_one_copy_transfer_ends_when_it_lands_without_waking_the_worker(rig):
+def test_a_one_copy_transfer_ends_when_it_lands_on_the_watchers_thread(rig):
     """A GPU transfer of one copy enqueued at call time (the serving engine's small store or load)
     is followed by the landing watcher, which the driver rings: it ends, published, with its done
-    callback run, while the worker's thread is held and nobody waits in a thread; the worker
-    never sees it (nothing is reported twice once it runs again)."""
-    rig.copier.flag = None
-    rig.hold()  # the worker cannot run
+    callback run, while the worker's loop is held and nobody waits in a thread; nothing is reported
+    twice once the loop runs again."""
+    rig.hold()  # the worker's loop cannot run
     transfer, steps, events = rig.start(chunks=1)
     ended = threading.Event()
     transfer.add_done_callback(lambda t: ended.set())  # from a plain thread: runs where it ends
     assert not ended.wait(0.05), "ended before its copy landed"
     assert events[0].alarmed.is_set(), "no ring was enqueued for the copy's completion"
     events[0].complete()
-    assert ended.wait(10), "the transfer did not end while the worker was held"
+    assert ended.wait(HANG_S), "the transfer did not end while the worker's loop was held"
     assert transfer.result(0).kind == "store"
-    assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == ["kvoffload-test-worker-landings"]
+    assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
     rig.let_go()
-    rig.hold()  # the worker ran its turn: nothing more happened
+    rig.hold()  # the loop ran its turn: nothing more happened
+    rig.dropped(steps)
     assert steps.landings == [0] and steps.cleanups == 1 and len(steps.ends) == 1
+
+
+def test_a_store_of_several_chunks_publishes_chunk_by_chunk_as_the_watcher_is_rung(rig):
+    rig.hold()
+    transfer, steps, events = rig.start()
+    for i, e in enumerate(events):
+        assert steps.landings == list(range(i)), "a chunk was reported before it landed"
+        e.complete()
+        spin_until(lambda: steps.landings == list(range(i + 1)), what=f"chunk {i} reported")
+        if i < len(events) - 1:
+            assert not steps.finished.is_set(), "ended before its last copy completed"
+    assert steps.finished.wait(HANG_S)
+    assert transfer.result(0).kind == "store"
+    assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
 
 
 def test_a_burst_of_one_copy_transfers_costs_one_ring_and_each_ends_as_it_lands(rig):
     """Transfers handed over while a ring is on its way enqueue none of their own; woken, the watcher
     ends those that landed and rings again for the oldest still in flight, so each ends."""
-    rig.copier.flag = None
     rig.hold()
     started = [rig.start(chunks=1) for _ in range(3)]
     events = [e for _, _, evs in started for e in evs]
     assert [e.alarmed.is_set() for e in events] == [True, False, False]
     events[0].complete()
-    events[1].complete()  # lands before the watcher looks: ended in the same sweep
-    assert started[0][0].exception(10) is None and started[1][0].exception(10) is None
-    assert not started[2][0].done() and events[2].alarmed.wait(10), "no ring for the transfer still in flight"
+    events[1].complete()
+    for _, steps, _ in started[:2]:
+        assert steps.finished.wait(HANG_S), "a transfer that landed did not end"
+    assert not started[2][1].finished.is_set()
+    assert events[2].alarmed.wait(HANG_S), "no ring for the transfer still in flight"
     events[2].complete()
-    assert started[2][0].exception(10) is None
-    assert all(steps.cleanups == 1 for _, steps, _ in started)
+    assert started[2][1].finished.wait(HANG_S)
+    for t, steps, _ in started:
+        assert t.exception(0) is None
+        assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
 
 
-def test_result_sleeps_until_the_copies_land_and_ends_the_transfer_itself(rig):
-    """A thread blocked in result() on a transfer that cannot end early (no cancel flag) sleeps until
-    its last copy completes, then ends it: no wake-up from the worker needed (the worker is held)."""
-    rig.copier.flag = None
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one copy", "three copies, a cancel flag"])
+def test_a_blocked_result_returns_once_the_watcher_ends_the_transfer(rig, chunks):
+    """A thread blocked in result() (its copies had not landed when it looked) sleeps until whoever
+    ends the transfer wakes it: the watcher, with the worker's loop held."""
+    rig.hold()
+    transfer, steps, events = rig.start(chunks)
+    assert (transfer._job.cancel_flag is not None) == (chunks > 1)
+
+    def land() -> None:
+        spin_until(lambda: blocked(transfer), what="result() blocked")
+        for e in events:
+            e.complete()
+
+    lander = threading.Thread(target=land)
+    lander.start()
+    try:
+        assert transfer.result(HANG_S).kind == "store"
+    finally:
+        lander.join()
+    assert steps.end_threads == [WATCHER] and steps.landings == list(range(chunks)) and steps.cleanups == 1
+    assert rig.copier.flag.released.is_set() or chunks == 1
+
+
+class WaiterRingsOnlyCopier(StandInCopier):
+    """A stand-in copier whose driver rings threads blocked in ``result()`` but never the landing
+    watcher (set :attr:`watcher_semaphore`): only the blocked thread can end a transfer."""
+
+    watcher_semaphore: object = None
+
+    def ring_when_complete(self, event, alarm) -> None:
+        if alarm is not self.watcher_semaphore:
+            super().ring_when_complete(event, alarm)
+
+
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one copy", "three copies, a cancel flag"])
+def test_a_thread_blocked_in_result_is_rung_by_the_driver_and_ends_the_transfer_itself(monkeypatch, chunks):
+    """Behind a thread busy in Python, a wake-up from the watcher costs two takes of the GIL in a row
+    (the watcher's, then the waiter's): a thread blocked in result() without a timeout has the driver
+    ring it once the last copy landed, and ends the transfer itself (its landings reported once)."""
+    fresh_wake_semaphores(monkeypatch)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    copier = WaiterRingsOnlyCopier(StandInFlag(raise_lands_at_once=True))
+    rig = _Rig(copier)
+    try:
+        copier.watcher_semaphore = rig.watcher._semaphore
+        transfer, steps, events = rig.start(chunks)
+        outcome: list[object] = []
+        waiter = threading.Thread(target=lambda: outcome.append(transfer.result()), name="blocked-waiter")
+        waiter.start()
+        spin_until(lambda: bool(transfer._job is not None and transfer._job.sleepers and events[-1].alarmed.is_set()),
+                   what="the waiter asleep, its ring enqueued")
+        for e in events:
+            e.complete()
+        waiter.join(HANG_S)
+        assert not waiter.is_alive(), "the blocked thread was not rung"
+        assert len(outcome) == 1 and outcome[0].kind == "store"
+        assert steps.end_threads == ["blocked-waiter"] and steps.landings == list(range(chunks)) and steps.cleanups == 1
+        rig.look()
+        rig.dropped(steps)
+        assert len(steps.ends) == 1
+    finally:
+        rig.close()
+
+
+# -- cancelled -----------------------------------------------------------------------------------
+
+
+def test_a_cancelled_transfer_is_not_ended_done_by_its_waiter(quiet_rig):
+    rig = quiet_rig
     transfer, steps, events = rig.start()
-    result, slept = rig.result_landing_once_asleep(transfer, events, events[-1].waited)
-    assert result.kind == "store"
-    assert slept, "result() did not sleep on the last copy's event"
-    assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
+    assert transfer.cancel()
+    for e in events:
+        e.complete()
+    assert not transfer.done(), "its waiter ended a cancelled transfer"
+    with pytest.raises(TimeoutError):
+        transfer.result(timeout=0.05)
+    rig.look()  # the watcher ends it cancelled
+    with pytest.raises(kvoffload.TransferCancelled):
+        transfer.result(timeout=HANG_S)
+    assert steps.ends == [(None, None, True)] and steps.cleanups == 1 and steps.landings == []
+    assert steps.end_threads == [WATCHER] and rig.copier.flag.released.is_set()
 
 
-def test_result_on_a_load_that_can_stop_early_sleeps_until_it_lands_and_ends_it_itself(rig):
-    """A load of several chunks has a cancel flag, so its waiter cannot sleep in the driver on the
-    last copy (a cancel ends it sooner). It sleeps on a wake semaphore the last copy's completion rings, and
-    ends the transfer itself: no wake-up from the worker needed (the worker is held)."""
-    assert rig.copier.flag is not None
-    transfer, steps, events = rig.start()
-    result, slept = rig.result_landing_once_asleep(transfer, events, events[-1].alarmed)
-    assert result.kind == "store"
-    assert slept, "result() did not sleep until the last copy rang"
-    assert steps.end_threads == [threading.current_thread().name] and steps.landings == [0, 1, 2]
-    assert rig.copier.flag.released.is_set()
-
-
-def test_a_cancel_ends_a_thread_asleep_until_a_load_lands(rig, monkeypatch):
-    """The waiter sleeping until the last copy lands learns of a cancel within the chunk copying
-    now: it raises TransferCancelled though the later copies (their DMAs) have not completed.
-    The worker's end of the transfer rings it."""
-    monkeypatch.setattr(rig.worker.host_jobs, "RECHECK_ASLEEP_S", 60.0)  # only a ring wakes the waiter
-    chose = threading.Event()  # the worker chose the copy the cancelled transfer ends with
-    choose = rig.worker.host_jobs._end_at_first_incomplete
-
-    def choose_and_tell(job) -> None:
-        choose(job)
-        chose.set()
-
-    monkeypatch.setattr(rig.worker.host_jobs, "_end_at_first_incomplete", choose_and_tell)
+def test_a_cancel_ends_a_thread_blocked_on_a_load_once_the_running_chunk_lands(rig):
+    """A thread blocked in result() on a load of several chunks learns of a cancel within the chunk
+    copying now: it raises TransferCancelled though the later copies (their DMAs) have not completed;
+    the cancel flag goes back only once they have."""
     transfer, steps, events = rig.start()
     outcome: list[BaseException] = []
 
@@ -230,124 +371,93 @@ def test_a_cancel_ends_a_thread_asleep_until_a_load_lands(rig, monkeypatch):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    assert events[-1].alarmed.wait(10), "result() did not sleep until the last copy rang"
+    spin_until(lambda: blocked(transfer), what="result() blocked")
     assert transfer.cancel()
-    assert chose.wait(10)
+    spin_until(lambda: steps.stop_at == 0, what="the watcher chose the copy the cancelled load ends with")
     events[0].complete()  # the copy running at the cancel; the later ones' DMAs still run
-    waiter.join(10)
+    waiter.join(HANG_S)
     assert not waiter.is_alive() and len(outcome) == 1 and isinstance(outcome[0], kvoffload.TransferCancelled)
-    assert steps.ends == [(None, True)] and steps.landings == []
-
-
-@pytest.mark.asyncio
-async def test_await_and_done_end_a_landed_transfer_without_its_worker(rig):
-    transfer, steps, events = rig.start()
-    rig.hold()
-    assert not transfer.done()
-    for e in events[:2]:
+    assert steps.ends == [(None, None, True)] and steps.landings == [] and steps.cleanups == 1
+    assert not rig.copier.flag.released.is_set(), "the flag went back while chunks reading it were queued"
+    for e in events[1:]:
         e.complete()
-    assert not transfer.done(), "ended before its last copy completed"
-    events[2].complete()
-    assert transfer.done()  # done() notices the landed copies itself
-    result = await asyncio.wait_for(transfer, 1)
-    assert result.kind == "store" and steps.landings == [0, 1, 2] and len(steps.ends) == 1
-
-    second, steps2, events2 = rig.start()
-    for e in events2:
-        e.complete()
-    await asyncio.wait_for(second, 1)  # the worker is still held: the await ended it
-    assert steps2.landings == [0, 1, 2] and len(steps2.ends) == 1
+    assert rig.copier.flag.released.wait(HANG_S)
+    rig.dropped(steps)
+    assert len(steps.ends) == 1
 
 
-def test_a_cancelled_transfer_is_not_ended_done_by_its_waiter(rig):
-    transfer, steps, events = rig.start()
-    transfer.cancel()
-    for e in events:
-        e.complete()
-    with pytest.raises(kvoffload.TransferCancelled):
-        transfer.result(timeout=10)
-    assert steps.ends == [(None, True)] and steps.cleanups == 1
+# -- races ---------------------------------------------------------------------------------------
 
 
-def test_waiters_and_the_worker_racing_end_each_transfer_once():
-    """Many transfers whose copies complete while a plain thread polls done() and the worker follows
-    them: each ends once, its landings reported once, in order."""
-    rig = _Rig()
+def test_waiters_and_the_watcher_racing_end_each_transfer_once(quiet_rig):
+    """Many transfers whose copies complete while two plain threads poll done(): the first half lands
+    while only the pollers can end them (the watcher gets no ring), the rest races the watcher. Each
+    ends once, its landings reported once, in order."""
+    rig = quiet_rig
+    started = [rig.start() for _ in range(300)]
+    half = len(started) // 2
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for t, _, _ in started:
+                t.done()
+
+    pollers = [threading.Thread(target=poll, name=f"poller-{i}") for i in range(2)]
+    for th in pollers:
+        th.start()
     try:
-        started = [rig.start() for _ in range(300)]
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.is_set():
-                for t, _, _ in started:
-                    t.done()
-
-        pollers = [threading.Thread(target=poll) for _ in range(2)]
-        for th in pollers:
-            th.start()
-        rig.hold()  # the first half lands while only the pollers can end them; the rest races the worker
-        for i, (_, _, events) in enumerate(started):
-            if i == len(started) // 2:
-                rig.let_go()
+        for _, _, events in started[:half]:
+            for e in events:
+                e.complete()
+        spin_until(lambda: all(s.finished.is_set() for _, s, _ in started[:half]), what="the pollers ended the first half")
+        rig.copier.let_rings_through()
+        for _, _, events in started[half:]:
             for e in events:
                 e.complete()
         for t, _, _ in started:
-            t.result(timeout=10)
+            t.result(timeout=HANG_S)
+    finally:
         stop.set()
         for th in pollers:
             th.join()
-        for t, steps, _ in started:
-            assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
-        enders = {name for _, s, _ in started for name in s.end_threads}
-        assert enders - {"kvoffload-test-worker"}, "no transfer was ended by a waiting thread"
-    finally:
-        rig.close()
+    for t, steps, _ in started:
+        assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1, (steps.landings, steps.ends)
+    assert {name for _, s, _ in started[:half] for name in s.end_threads} <= {"poller-0", "poller-1"}
+    spin_until(lambda: not rig.watcher.jobs(), what="the watcher dropped every transfer")
+    assert all(len(s.ends) == 1 and s.landings == [0, 1, 2] for _, s, _ in started)
 
 
-def test_the_poll_bridge_follows_closely_only_what_somebody_waits_for():
-    """A worker watches its copies without following closely (nobody waits yet); a waiter's call to follow closely, even one that
-    arrives before the watch, makes the bridge follow them closely until nothing is pending."""
-    from kvoffload._core.cuda.events import PollBridge
-
-    async def run() -> None:
-        bridge = PollBridge(asyncio.get_running_loop())
-        first = StandInEvent()
-        fut = bridge.watch(first, eager=False)
-        assert not bridge.following_closely
-        bridge.follow_closely()
-        assert bridge.following_closely
-        first.complete()
-        await asyncio.wait_for(fut, 5)
-        await asyncio.sleep(0)  # the poller notices nothing is pending
-        assert not bridge.following_closely, "still following closely with nothing pending"
-        bridge.follow_closely()  # a waiter's call overtaking the worker's watch is kept for it
-        second = StandInEvent()
-        fut = bridge.watch(second, eager=False)
-        assert bridge.following_closely
-        second.complete()
-        await asyncio.wait_for(fut, 5)
-        bridge.close()
-
-    asyncio.run(run())
+# -- a copy that fails on the device ----------------------------------------------------------------
 
 
-def test_following_closely_wakes_a_poller_waiting_for_its_next_tick():
-    """Following closely does not wait for the bridge's next tick: with ticks a minute apart, the
-    landed copy is still noticed at once."""
-    from kvoffload._core.cuda.events import PollBridge
-
-    async def run() -> None:
-        bridge = PollBridge(asyncio.get_running_loop(), tick_s=60.0)
-        event = StandInEvent()
-        fut = bridge.watch(event, eager=False)
-        while bridge._tick is None:  # the poller is between two ticks
-            await asyncio.sleep(0)
-        event.complete()
-        bridge.follow_closely()
-        await asyncio.wait_for(fut, 5)
-        bridge.close()
-
-    asyncio.run(run())
+@pytest.mark.parametrize("who", ["watcher", "waiter"])
+def test_a_copy_failing_on_the_device_fails_the_job_once(request, who):
+    """A copy whose completion event reports a CUDA error fails its job with TransferError (the error as
+    cause), once, cleaned up, whoever learns of it: the watcher (the chunk that landed before stays
+    reported, the later ones never are) or a waiter that finds the last copy failed."""
+    rig = request.getfixturevalue("rig" if who == "watcher" else "quiet_rig")
+    transfer, steps, events = rig.start()
+    if who == "watcher":
+        events[0].complete()
+        spin_until(lambda: steps.landings == [0], what="the first chunk reported")
+        fail_on_device(events[1])
+        assert steps.finished.wait(HANG_S), "the failed transfer never ended"
+        assert steps.end_threads == [WATCHER] and steps.landings == [0]
+    else:
+        for e in events:
+            fail_on_device(e)
+        with pytest.raises(kvoffload.TransferError):
+            transfer.result(0.05)
+        assert steps.end_threads == [threading.current_thread().name] and steps.landings == []
+    err = transfer.exception(0)
+    assert isinstance(err, kvoffload.TransferError) and isinstance(err.__cause__, RuntimeError), repr(err)
+    assert "illegal memory access" in str(err.__cause__)
+    assert len(steps.ends) == 1 and steps.ends[0][1] is err and not steps.ends[0][2]
+    assert steps.cleanups == 1 and rig.copier.flag.released.is_set()
+    rig.look()
+    rig.dropped(steps)
+    assert len(steps.ends) == 1 and steps.cleanups == 1
 
 
 # -- a hand-over interrupted by an asynchronous exception (a signal handler's KeyboardInterrupt) --
@@ -396,81 +506,100 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
         rig.copier.wait_for = interrupted
         requests, submitted, after = rig.requests(3), 0, object()
     lander = _land_once_settled(rig.copier, submitted) if submitted else None
+    job = Steps()
     with pytest.raises(KeyboardInterrupt):
-        rig.worker.submitter.enqueue(requests, after, kvoffload._core.workers.copy_submission.HandOver())
+        rig.worker._submitter.enqueue(job, requests, after)
     complete_when_raised = [e.query() for e in rig.copier.events]
     flag_back_when_raised = rig.copier.flag.released.is_set()
     if lander is not None:
         lander.join()
     assert complete_when_raised == [True] * submitted, "the interrupt propagated with copies still running"
     assert flag_back_when_raised, "the interrupt propagated with the load's cancel flag still taken"
+    assert len(job.events) == submitted
 
 
 @pytest.mark.parametrize("worker_took_it", [False, True], ids=["before-the-worker-took-it", "after"])
-@pytest.mark.parametrize("path", ["quick", "task"])
-def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(rig, monkeypatch, path, worker_took_it):
-    """An interrupt in ``host_jobs.start``/``tasks.start`` after the job was posted: ``abandon`` either takes
-    the transfer back (its copies completed, its flag back) and ends it, or leaves it to the worker,
-    which ends it cancelled. Either way it ends cancelled, cleaned up and counted once."""
-    from kvoffload._core.workers.copy_submission import HandOver
-    from kvoffload._core.workers.host_copy_jobs import HostCopyJob
-    from kvoffload._core.workers.transfer import TransferControl
-
-    steps = _PublishingSteps()
-    control = TransferControl("load")
-    transfer = control.transfer
-    hand_over = HandOver()
-    job = HostCopyJob(control, hand_over, steps, steps.ended, copies=rig.worker.submitter.enqueue(rig.requests(2), None, hand_over)) if path == "quick" else None
+@pytest.mark.parametrize("path", ["call-time", "task"])
+def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(quiet_rig, monkeypatch, path, worker_took_it):
+    """An interrupt in ``CopyWorker.start`` once the job was handed over (to the landing watcher, or
+    posted to the loop as a task): ``abandon`` either takes the transfer back (its copies completed,
+    its flag back) and ends it, or leaves it to the worker, which ends it cancelled. Either way it
+    ends cancelled, cleaned up and counted once."""
+    rig = quiet_rig
+    job = Steps()
+    transfer = job.transfer
 
     def taken() -> bool:
-        """The worker has the job (it arrived), or made the task (which installs a canceller)."""
-        return job in rig.worker.host_jobs._live if job is not None else transfer._canceller is not None
+        """The worker has the job: the watcher took it, or the loop made its task."""
+        return job.owner == job_module._TAKEN and (path == "call-time" or job.task is not None)
 
-    real_box = rig.loop.mailbox
+    lander = None
+    if path == "call-time":
+        real_follow = rig.watcher.follow
 
-    class InterruptedPost:
-        """Posts for real, then raises KeyboardInterrupt, once."""
+        def follow(j: Job) -> None:
+            """Hands over for real, then raises KeyboardInterrupt."""
+            real_follow(j)
+            if worker_took_it:
+                rig.look()  # the watcher takes the job at its first look
+                spin_until(taken, what="the watcher took the job")
+            raise KeyboardInterrupt
 
-        interrupted = False
+        rig.watcher.follow = follow
+        if not worker_took_it:
+            lander = _land_once_settled(rig.copier, 2)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                rig.worker.start(job, None, rig.requests(2))
+        finally:
+            del rig.watcher.follow
+    else:
+        real_box = rig.loop.mailbox
 
-        def post(self, fn, *args) -> None:
-            real_box.post(fn, *args)
-            if not InterruptedPost.interrupted:
-                InterruptedPost.interrupted = True
-                if worker_took_it:
-                    spin_until(taken, what="the worker took the job")
-                raise KeyboardInterrupt
+        class InterruptedPost:
+            """Posts for real, then raises KeyboardInterrupt, once."""
 
-    async def run_forever():
-        await asyncio.Event().wait()
+            interrupted = False
 
-    lander = _land_once_settled(rig.copier, 2) if path == "quick" and not worker_took_it else None
+            def post(self, fn, *args) -> None:
+                real_box.post(fn, *args)
+                if not InterruptedPost.interrupted:
+                    InterruptedPost.interrupted = True
+                    if worker_took_it:
+                        spin_until(taken, what="the worker took the job")
+                    raise KeyboardInterrupt
+
+        async def run(after):
+            await asyncio.Event().wait()
+
+        if not worker_took_it:
+            rig.hold()  # the loop cannot take the job before the interrupt
+        monkeypatch.setattr(rig.loop, "mailbox", InterruptedPost())
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                rig.worker.start(job, object(), run=run)
+        finally:
+            monkeypatch.setattr(rig.loop, "mailbox", real_box)
+    rig.worker.abandon(job)
     if not worker_took_it:
-        rig.hold()  # the worker cannot take the job before the interrupt
-    monkeypatch.setattr(rig.loop, "mailbox", InterruptedPost())
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            if job is not None:
-                rig.worker.host_jobs.start(job)
-            else:
-                rig.worker.tasks.start(control, hand_over, run_forever, steps.cleanup, steps.ended)
-    finally:
-        monkeypatch.setattr(rig.loop, "mailbox", real_box)
-    rig.worker.abandon(hand_over, control, steps, steps.ended)
-    if path == "quick" and not worker_took_it:
-        assert all(e.query() for e in rig.copier.events), "abandon returned with copies still running"
-        assert rig.copier.flag.released.is_set()
+        assert transfer.cancelled(), "abandon did not end the transfer it took back"
+        assert job.end_threads == [threading.current_thread().name]
+        if path == "call-time":
+            assert all(e.query() for e in rig.copier.events), "abandon returned with copies still running"
+            assert rig.copier.flag.released.is_set()
     if lander is not None:
         lander.join()
     for e in rig.copier.events:
         e.complete()
+    rig.copier.let_rings_through()
+    rig.look()
     with pytest.raises(kvoffload.TransferCancelled):
         transfer.result(HANG_S)
     rig.let_go()
-    rig.hold()  # the worker has taken what was posted
-    if job is not None:
-        spin_until(lambda: job.ended or hand_over.withdrawn, what="the job ended or came back")
-    else:
-        spin_until(lambda: not rig.loop._tasks, what="the worker's task for the transfer ended")
+    rig.hold()  # the loop has run what was posted
+    rig.dropped(job)
+    spin_until(lambda: not rig.loop._tasks, what="the worker's task for the transfer ended")
     rig.hold()  # and whatever the worker does at a job's or task's end is over
-    assert steps.ends == [(None, True)] and steps.cleanups == 1 and steps.landings == []
+    assert job.ends == [(None, None, True)] and job.cleanups == 1 and job.landings == []
+    if path == "call-time":
+        assert rig.copier.flag.released.is_set()

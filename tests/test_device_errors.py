@@ -2,29 +2,30 @@
 only its completion event reports) fails its transfer with TransferError, the CUDA error as
 ``__cause__``: a store publishes none of the chunks that had not landed, a load gives its pins
 back, slots go back, no waiter hangs, and later transfers work once the device does. So for every
-path that learns a copy completed: the worker's bridge (both kinds), an awaiting task, a thread
-in ``result()`` (asleep in the driver, or on an alarm for a load that can stop early), ``done()``,
-the cancel path, and transfers run as tasks (the disk tier, spills).
+path that learns a copy completed: the worker's landing watcher (the one mechanism that follows
+copies, rung by the driver), an awaiting task, a thread blocked in ``result()``, ``done()`` (which
+ends the transfer itself on finding its copies settled), the cancel path, and transfers run as tasks
+(the disk tier, spills).
 
-Driven on the CPU: an offloader over CPU caches runs its GPU path (copies enqueued at call time,
-completion through a bridge), each copy returning the real ``DriverEvent`` over a stand-in driver
-(``standin_driver``) that the test completes, or fails with CUDA error 700, by hand.
+Driven on the CPU: an offloader over CPU caches takes its GPU path (``kvoffload._testing.take_gpu_path``:
+copies enqueued at call time, followed by a landing watcher), each copy returning the real
+``DriverEvent`` over a stand-in driver (``standin_driver``) that the test completes, or fails with
+CUDA error 700, by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 
 import pytest
-import torch
 
 import kvoffload
+import kvoffload._testing
 from support.caches import block_bytes, random_caches
 from support.standins import StandInDriver, StandInFlag
-from support.waiting import HANG_S, spin_until
+from support.waiting import blocked, HANG_S, spin_until
 
 ILLEGAL_ADDRESS = StandInDriver.ILLEGAL_ADDRESS
 
@@ -32,7 +33,8 @@ ILLEGAL_ADDRESS = StandInDriver.ILLEGAL_ADDRESS
 class EventCopier:
     """Stands in for the CUDA copier of an offloader over CPU caches: copies as the CPU copier does,
     and returns a real ``DriverEvent`` (over the stand-in driver) per chunk. Each event completes at
-    once with ``complete_at_once`` (0: success, else that CUDA error), or, if None, when the test says."""
+    once with ``complete_at_once`` (0: success, else that CUDA error), or, if None, when the test says.
+    After :meth:`hold_rings`, the rings the landing watcher asks for wait until :meth:`let_rings_through`."""
 
     def __init__(self, real, driver: StandInDriver, *, cancel_flags: bool) -> None:
         self.real = real
@@ -42,6 +44,8 @@ class EventCopier:
         self.complete_at_once: int | None = 0
         self.events: list = []
         self.flags: list[StandInFlag] = []
+        self._rings_lock = threading.Lock()
+        self._held_rings: list | None = None
 
     def caller_event(self) -> None:
         return None
@@ -59,7 +63,22 @@ class EventCopier:
         return contextlib.nullcontext()
 
     def ring_when_complete(self, event, alarm) -> None:
+        with self._rings_lock:
+            if self._held_rings is not None:
+                self._held_rings.append((event, alarm))
+                return
         self.driver.ring_when_complete(event, alarm)
+
+    def hold_rings(self) -> None:
+        with self._rings_lock:
+            if self._held_rings is None:
+                self._held_rings = []
+
+    def let_rings_through(self) -> None:
+        with self._rings_lock:
+            held, self._held_rings = self._held_rings or [], None
+        for event, alarm in held:
+            self.driver.ring_when_complete(event, alarm)
 
     def to_host(self, block_ids, host, rows):
         self.real.to_host(block_ids, host, rows)
@@ -84,27 +103,21 @@ class EventCopier:
 
 class GpuPath:
     """``off`` (started, over CPU caches) made to take its GPU path: its store and load workers copy
-    through :class:`EventCopier` and follow the events with a ``completion`` bridge."""
+    through :class:`EventCopier`, their copies followed by a landing watcher."""
 
-    def __init__(self, off: kvoffload.Offloader, driver: StandInDriver, completion: str) -> None:
-        from kvoffload._core.cuda.events import make_bridge
+    def __init__(self, off: kvoffload.Offloader, driver: StandInDriver) -> None:
+        made: dict[str, EventCopier] = {}
 
+        def wrap(kind: str, copier) -> EventCopier:
+            assert kind not in made, "one worker per direction"
+            made[kind] = EventCopier(copier, driver, cancel_flags=kind == "load")
+            return made[kind]
+
+        kvoffload._testing.take_gpu_path(off, wrap)
         rt = off._running_runtime()
-        storage = off._running_storage()
         self.store_worker, self.load_worker = rt.workers[0], rt.workers[1]
-        for w in (self.store_worker, self.load_worker):
-            w.copier = EventCopier(w.copier, driver, cancel_flags=w.kind == "load")
-            w.bridge = make_bridge(completion, w.loop.loop, f"{w.loop.name}-events")  # closed with the offloader
-        storage.layout = dataclasses.replace(storage.layout, device=torch.device("cuda", 0))  # enqueue at call time
+        self.store_copier, self.load_copier = made["store"], made["load"]
         self.driver = driver
-
-    @property
-    def store_copier(self) -> EventCopier:
-        return self.store_worker.copier
-
-    @property
-    def load_copier(self) -> EventCopier:
-        return self.load_worker.copier
 
     def copier(self, kind: str) -> EventCopier:
         return self.store_copier if kind == "store" else self.load_copier
@@ -115,8 +128,8 @@ class GpuPath:
 
 @contextlib.contextmanager
 def held(worker):
-    """Keep ``worker``'s thread busy (as a worker that cannot get the GIL): only a waiting thread can
-    end its transfers meanwhile."""
+    """Keep ``worker``'s loop thread busy (as a worker that cannot get the GIL): only its landing
+    watcher or a waiting thread can end its transfers meanwhile."""
     holding, release = threading.Event(), threading.Event()
 
     def block() -> None:
@@ -135,13 +148,13 @@ HOST_BLOCKS = 8
 BLOCKS = 4  # two chunks of two blocks: a load of several chunks gets a cancel flag
 
 
-def make_gpu_offloader(make_offloader, driver, completion: str = "poll", **opts):
+def make_gpu_offloader(make_offloader, driver, **opts):
     from kvoffload._core.base.layout import BlockLayout
 
     caches = random_caches(16, seed=3)
     slot = BlockLayout.of(caches).slot_bytes
     off = make_offloader(caches, **{"host_blocks": HOST_BLOCKS, "chunk_bytes": 2 * slot, **opts})
-    return off, caches, GpuPath(off, driver, completion)
+    return off, caches, GpuPath(off, driver)
 
 
 def start(off, kind: str):
@@ -197,14 +210,13 @@ def check_failed_and_leaked_nothing(off, caches, gpu: GpuPath, kind: str, t) -> 
 
 
 KINDS = ["store", "load"]
-COMPLETIONS = ["poll", "thread"]
 
 
-@pytest.mark.parametrize("completion", COMPLETIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_copy_failing_on_the_device_fails_the_transfer_through_the_workers_bridge(make_offloader, standin_driver, kind, completion):
-    """Nobody waits in a thread: the worker's bridge learns that the copies failed, and ends the transfer."""
-    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver, completion)
+def test_a_copy_failing_on_the_device_fails_the_transfer_through_the_landing_watcher(make_offloader, standin_driver, kind):
+    """Nobody waits in a thread: the worker's landing watcher, rung by the driver, learns that the
+    copies failed, and ends the transfer."""
+    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver)
     prepare(off, gpu, kind)
     t = start(off, kind)
     ended = threading.Event()
@@ -214,16 +226,15 @@ def test_a_copy_failing_on_the_device_fails_the_transfer_through_the_workers_bri
     check_failed_and_leaked_nothing(off, caches, gpu, kind, t)
 
 
-@pytest.mark.parametrize("completion", COMPLETIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_awaited_transfer_whose_copy_fails_on_the_device_raises_transfer_error(make_offloader, standin_driver, kind, completion):
-    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver, completion)
+def test_an_awaited_transfer_whose_copy_fails_on_the_device_raises_transfer_error(make_offloader, standin_driver, kind):
+    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver)
     prepare(off, gpu, kind)
 
     async def run():
         t = start(off, kind)
         waiting = asyncio.ensure_future(asyncio.wait_for(t, HANG_S))
-        while not t._callbacks:  # until the task waits: the failure then reaches it through the worker
+        while not t._callbacks:  # until the task waits: the failure then reaches it through the landing watcher
             await asyncio.sleep(0)
         fail_copies(gpu, kind)
         with pytest.raises(kvoffload.TransferError):
@@ -234,15 +245,15 @@ def test_an_awaited_transfer_whose_copy_fails_on_the_device_raises_transfer_erro
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_result_asleep_until_the_copies_land_learns_that_they_failed(make_offloader, standin_driver, kind):
-    """The worker is held: ``result()`` ends the transfer itself. A store sleeps in the driver on its last
-    copy's event; a load of several chunks (a cancel flag) sleeps on an alarm the last copy rings."""
+def test_a_thread_blocked_in_result_learns_that_the_copies_failed(make_offloader, standin_driver, kind):
+    """``result()`` blocked on a transfer whose copies had not landed (a store, and a load of several
+    chunks, which has a cancel flag) sleeps until the transfer ends: the landing watcher ends it
+    failed, with the worker's loop held."""
     off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver)
     prepare(off, gpu, kind)
-    asleep = standin_driver.synchronizing if kind == "store" else standin_driver.alarmed
     t = start(off, kind)
     if kind == "load":
-        assert gpu.load_copier.flags, "the load has no cancel flag: the alarm path is not exercised"
+        assert gpu.load_copier.flags, "the load has no cancel flag"
     outcome: list[BaseException | None] = []
 
     def wait() -> None:
@@ -255,7 +266,7 @@ def test_result_asleep_until_the_copies_land_learns_that_they_failed(make_offloa
     with held(gpu.worker(kind)):
         waiter = threading.Thread(target=wait)
         waiter.start()
-        assert asleep.wait(HANG_S), "result() did not sleep until the copies land"
+        spin_until(lambda: blocked(t), what="result() blocked")
         fail_copies(gpu, kind)
         waiter.join(HANG_S)
         assert not waiter.is_alive(), "result() hangs"
@@ -264,15 +275,29 @@ def test_result_asleep_until_the_copies_land_learns_that_they_failed(make_offloa
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_done_notices_a_failed_copy_without_the_worker(make_offloader, standin_driver, kind):
+def test_done_notices_a_failed_copy_without_the_worker(make_offloader, standin_driver, monkeypatch, kind):
+    """With the worker's loop held and its landing watcher kept from looking (no ring comes, no
+    recheck is due), ``done()`` finds the copies failed and ends the transfer itself, in the asking thread."""
+    from kvoffload._core.base.cross_thread import WakeSemaphore
+    from kvoffload._core.workers import landings
+
+    # a semaphore of its own: one from the pool may hold a ring meant for an earlier sleeper
+    monkeypatch.setattr(landings, "take_wake_semaphore", WakeSemaphore)
+    monkeypatch.setattr(landings.LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(landings.LandingWatcher, "IDLE_RECHECK_S", 60.0)
     off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver)
     prepare(off, gpu, kind)
+    gpu.copier(kind).hold_rings()
     t = start(off, kind)
+    enders: list[str] = []
+    t.add_done_callback(lambda _: enders.append(threading.current_thread().name))  # runs where it ends
     with held(gpu.worker(kind)):
         assert not t.done()
         fail_copies(gpu, kind)
         assert t.done()  # ended here, in the asking thread
+        assert enders == [threading.current_thread().name], enders
         assert isinstance(t.exception(0), kvoffload.TransferError)
+    gpu.copier(kind).let_rings_through()
     check_failed_and_leaked_nothing(off, caches, gpu, kind, t)
 
 
@@ -281,7 +306,6 @@ def test_a_store_keeps_the_chunks_that_landed_before_its_copy_failed(make_offloa
     gpu.store_copier.complete_at_once = None
     t = off.store({k: k for k in range(BLOCKS)})
     first, second = gpu.store_copier.events
-    t.add_done_callback(lambda _: None)  # somebody waits: the bridge follows the copies closely
     standin_driver.complete(first)
     spin_until(lambda: 0 in off and 1 in off, what="the first chunk published")
     standin_driver.complete(second, ILLEGAL_ADDRESS)
@@ -315,11 +339,11 @@ TASKS = {
 }
 
 
-@pytest.mark.parametrize("completion", COMPLETIONS)
 @pytest.mark.parametrize("site", list(TASKS))
-def test_a_transfer_run_as_a_task_fails_when_its_copy_fails_on_the_device(make_offloader, standin_driver, tmp_path, site, completion):
+def test_a_transfer_run_as_a_task_fails_when_its_copy_fails_on_the_device(make_offloader, standin_driver, tmp_path, site):
+    """A task's copy is awaited on the worker's loop through the landing watcher: its failure fails the task."""
     opts, kind = TASKS[site]
-    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver, completion, disk_path=tmp_path / "kv", **opts)
+    off, caches, gpu = make_gpu_offloader(make_offloader, standin_driver, disk_path=tmp_path / "kv", **opts)
     if site == "spilling store":
         off.store({"a": 12, "b": 13}).result(HANG_S)  # the host tier is full: the next store spills
         keys = {"c": 14}

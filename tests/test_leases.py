@@ -223,7 +223,7 @@ def test_an_infinite_hold_outlives_a_finite_one_until_released(make_offloader, c
     for r in range(2):
         off.store({(r, i): 10 + i for i in range(HOST - 1)}).result(10)
     assert "forever" in off and "brief" not in off and off.stats().pinned == 1
-    assert rt.hold_expiry._handle is None and not rt.storage.index._holds
+    assert rt.hold_expiry._handle is None and not rt.storage.index.holds.timed()
     forever.release()
     assert off.stats().pinned == 0
     off.load({"forever": 40}, lease=forever).result(10)  # released: pinned anew
@@ -232,7 +232,7 @@ def test_an_infinite_hold_outlives_a_finite_one_until_released(make_offloader, c
     assert off.stats().pinned == 1
     del again
     gc.collect()
-    assert off.stats().pinned == 0 and not rt.storage.index._holds
+    assert off.stats().pinned == 0 and not rt.storage.index.holds.timed()
     assert_index_sound(off)
 
 

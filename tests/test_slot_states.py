@@ -12,9 +12,10 @@ counts on it would show there.
 
 ``test_interleavings_keep_every_slot_owned_once`` runs many stores, loads, discards and
 cancellations interleaved step by step at random (at least 100,000 steps per CI run, figure printed at
-the end), and checks every invariant after every step. Its keys are strings (half of the runs), keys
-with methods of their own (a new object at each use), or a mix of both, equal to each other. ``test_the_discarded_spill_victim_*`` replays,
-on a real offloader, the sequence that once returned another key's bytes.
+the end), and checks every invariant after every step. Its keys are strings (half of the runs), nested
+tuples (a new object at each use, equal to the others), or a mix of ints, the bools equal to them and
+nested tuples of those. ``test_the_discarded_spill_victim_*`` replays, on a real offloader, the
+sequence that once returned another key's bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import pytest
 import kvoffload
 from support.caches import random_caches, same_bytes
 from support.figures import report_figure
-from support.keys import Named
 from kvoffload._core.tiers.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
 
@@ -332,20 +332,30 @@ def test_slots_freed_in_any_order_go_to_the_next_store_in_ascending_order():
 
 HOST_SLOTS, DISK_SLOTS = 4, 6
 KEYS = [f"k{i}" for i in range(14)]
-"""The model's keys by name; a run passes the index the key objects its kind makes of them (``World.key``)."""
+"""The model's keys by name; a run passes the index the key objects its kind makes of them (``World.keys``)."""
 
 
+def _number(rng: random.Random, i: int) -> int:
+    """``i``, or (0 and 1, half of the time) the bool equal to it: the same key."""
+    return bool(i) if i < 2 and rng.random() < 0.5 else i
+
+
+def _nested(rng: random.Random, i: int) -> tuple[object, ...]:
+    """A new nested tuple object for key number ``i``, equal to every other one made for it."""
+    return ("k", (_number(rng, i), f"k{i}".encode()), ())
 
 
 KEY_KINDS: dict[str, Callable[[random.Random, str], Hashable]] = {
     "strings": lambda rng, name: name,
-    "own methods": lambda rng, name: Named(name),
-    "mixed": lambda rng, name: name if rng.random() < 0.5 else Named(name),
+    "tuples": lambda rng, name: _nested(rng, int(name[1:])),
+    "mixed": lambda rng, name: _number(rng, int(name[1:])) if int(name[1:]) % 2 == 0 else _nested(rng, int(name[1:])),
 }
 
 
 def name_of(key: Hashable) -> str:
-    return key if type(key) is str else key.name  # type: ignore[attr-defined,return-value]
+    if type(key) is str:
+        return key
+    return f"k{int(key[1][0]) if type(key) is tuple else int(key)}"  # type: ignore[index,call-overload]
 
 
 STEPS = int(os.environ.get("KVOFFLOAD_INDEX_STEPS", "200000"))
@@ -471,9 +481,8 @@ def check_world(w: World) -> None:
     w.ix.check()
     entries = {name_of(e.key): e for e in w.ix._entries.values()}
     visible = {k for k, e in entries.items() if e.state in (State.READY, State.SPILLING)}
-    # `key in index` agrees, asked with new key objects: of every key, or of one at random (keys with
-    # methods of their own take the slower path: compared outside the lock).
-    for k in KEYS if w.kind == "strings" else [w.rng.choice(KEYS)]:
+    # `key in index` agrees, asked with new key objects of every key
+    for k in KEYS:
         assert (w.keys([k])[0] in w.ix) == (k in visible), k
     assert visible <= set(w.tag), f"keys visible that were never published: {visible - set(w.tag)}"
     for k in set(w.tag) - visible:  # evicted (counted below)
@@ -560,7 +569,7 @@ def run_interleaving(seed: int, steps: int, kind: str) -> int:
 def test_interleavings_keep_every_slot_owned_once():
     started = time.perf_counter()
     total, seed = 0, 0
-    kinds = ["strings", "own methods", "strings", "mixed"]  # half of the runs on the fast path, as most keys take
+    kinds = ["strings", "tuples", "strings", "mixed"]
     while total < STEPS:
         total += run_interleaving(seed, 2000, kinds[seed % len(kinds)])
         seed += 1

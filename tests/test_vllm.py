@@ -457,7 +457,7 @@ def config_of(extra: dict, world_size: int = 1, rank: int = 0, dp: int = 0) -> O
     ({"host_blocks": True}, r"\['host_blocks'\]: True \(bool\) is not an integer"),
     ({"host_blocks": 16, "expedited_loads": "no"}, r"\['expedited_loads'\]: 'no' is not a boolean"),
     ({"host_blocks": 16, "use_page_cache": 1}, r"\['use_page_cache'\]: 1 is not a boolean"),
-    ({"host_blocks": 16, "completion": "busy"}, r"\['completion'\]: 'busy' is not one of 'poll', 'thread'"),
+    ({"host_blocks": 16, "copy_engine": "sm"}, r"\['copy_engine'\]: 'sm' is not one of 'kernel', 'dma'"),
     ({"host_blocks": 16, "eviction_policy": "lru"}, r"unknown key\(s\) 'eviction_policy'"),
     ({"host_blocks": 16, "host_bytes": "1GiB"}, r"give one of host_blocks or host_bytes, not both"),
     ({"host_bytes": 4096}, r"less than one block slot"),

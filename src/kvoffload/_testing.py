@@ -1,5 +1,4 @@
-"""Seams for tests: inject faults into an offloader's disk IO and copies; the completion bridge
-``kvoffload bench`` times. Not for production use.
+"""Seams for tests: inject faults into an offloader's disk IO and copies. Not for production use.
 
 Both functions return a live object whose attributes the offloader looks up at
 every call, so a test replaces an attribute to intercept every later call::
@@ -14,17 +13,20 @@ may change without notice.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import os
+from collections.abc import Callable
 
-from ._core.cuda.events import CompletionBridge, make_bridge
+import torch
+
+from ._core.workers.copier import BlockCopier
 from ._core.base.diskfile import IoCalls
 from ._core.tiers.hostmem import HostBuffer
 from ._core.workers.copy_submission import CopyCalls
 from ._core.offloader import Offloader
 
-__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "disk_file_location", "pinned_buffers", "check_index", "completion_bridge",
-           "IoCalls", "CopyCalls", "CompletionBridge"]
+__all__ = ["disk_io", "copy_calls", "uses_o_direct", "disk_file_stat", "disk_file_location", "pinned_buffers", "check_index",
+           "take_gpu_path", "IoCalls", "CopyCalls", "BlockCopier"]
 
 
 def disk_io(off: Offloader) -> IoCalls | None:
@@ -83,8 +85,14 @@ def check_index(off: Offloader) -> None:
     off._running_storage().index.check()
 
 
-def completion_bridge(kind: str, loop: asyncio.AbstractEventLoop) -> CompletionBridge:
-    """The completion bridge an offloader with ``completion=kind`` ("thread" or "poll") runs, on ``loop``
-    (CUDA only): ``await bridge.watch(event)`` on ``loop`` resumes once the CUDA event has completed;
-    ``bridge.close()`` ends it. ``kvoffload bench`` times it against the bare cross-thread wake."""
-    return make_bridge(kind, loop, "kvoffload-bench-events")
+def take_gpu_path(off: Offloader, wrap: Callable[[str, BlockCopier], BlockCopier]) -> None:
+    """Make ``off`` (started, over CPU caches) take its GPU path, to drive that path on any machine:
+    each worker (``kind`` "store" or "load") copies through ``wrap(kind, its copier)``, a stand-in whose
+    copies complete with events the test completes (``query``, ``synchronize``; ``ring_when_complete``
+    rings the given semaphore once the event completes), followed by a landing watcher; transfers
+    between the cache and host memory are enqueued at call time, as on a GPU."""
+    rt = off._running_runtime()
+    storage = off._running_storage()
+    for worker in rt.workers:
+        worker._follow_with(wrap(worker.kind, worker._copier))
+    storage.layout = dataclasses.replace(storage.layout, device=torch.device("cuda", 0))

@@ -163,12 +163,11 @@ _VLLM_KEYS = frozenset({
 _SIZE_KEYS = ("host_bytes", "disk_bytes", "cpu_bytes_to_use", "chunk_bytes")
 _COUNT_KEYS = {"host_blocks": 0, "disk_blocks": 0, "io_threads": 1, "gather_ctas": 0}
 _BOOL_KEYS = ("use_page_cache", "expedited_loads", "use_batch_copy", "persist", "verify")
-_CHOICE_KEYS = {"completion": ("poll", "thread"), "gather_priority": ("low", "high"), "copy_engine": ("kernel", "dma"),
-                "remote_write": ("through", "evict", "none")}
+_CHOICE_KEYS = {"copy_engine": ("kernel", "dma"), "remote_write": ("through", "evict", "none")}
 _TEXT_KEYS = ("fingerprint", "remote")
 _KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, *_TEXT_KEYS, "disk_path"})
 _OFFLOADER_KEYS = ("chunk_bytes", "io_threads", "gather_ctas", "use_page_cache", "expedited_loads", "use_batch_copy",
-                   "completion", "gather_priority", "copy_engine", "persist", "verify", "fingerprint", "remote",
+                   "copy_engine", "persist", "verify", "fingerprint", "remote",
                    "remote_write")
 def _error(key: str, message: str) -> ValueError:
     return ValueError(f"kv_connector_extra_config[{key!r}]: {message}")

@@ -25,3 +25,10 @@ def wait_for_transfers_to_end(off: kvoffload.Offloader, timeout: float = HANG_S)
     deadline = time.monotonic() + timeout
     while off.stats().in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def blocked(transfer) -> bool:
+    """True once a thread is blocked in ``transfer.result()``: asleep until the driver rings it after
+    the last copy (copies at call time, no timeout), or on the transfer's end."""
+    job = transfer._job
+    return transfer._finished is not None or (job is not None and bool(job.sleepers))

@@ -15,6 +15,7 @@ from .base.deadline import Deadline, check_seconds, check_timeout
 from .base.errors import ClosedError, CloseError, StartError
 from .base.helper_threads import HelperThread, run_off_loop
 from .tiers.index import BlockIndex, Pin
+from .base.keys import check_key, key_list
 from .base.layout import BlockLayout, check_block_mapping
 from .base.options import Options, TierSlots, format_size
 from .runtime import Runtime, finalize_runtime, process_generation
@@ -48,7 +49,7 @@ class Lease:
         self._pins: list[Pin] = []
         """Filled by :meth:`BlockIndex.hold` pin by pin; the pin of ``keys[i]`` is ``_pins[i]``."""
         # Collected (maybe by the cycle collector, while this thread is inside the index): released at the next call.
-        weakref.finalize(self, index.release_later, self._pins).atexit = False
+        weakref.finalize(self, index.holds.release_later, self._pins).atexit = False
         self.count = 0
         """How many leading keys were stored at the lookup (what ``lookup(keys)`` returns)."""
         self.keys: tuple[Hashable, ...] = ()
@@ -59,7 +60,7 @@ class Lease:
         self._index.unpin(self._pins)
 
     def _taking(self, keys: Iterable[Hashable]) -> list[Pin | None]:
-        """The lease's pin of each of ``keys`` (None where it has none); runs the keys' own methods."""
+        """The lease's pin of each of ``keys`` (None where it has none)."""
         mine = dict(zip(self.keys, self._pins))
         return [mine.get(k) for k in keys]
 
@@ -92,13 +93,16 @@ class Offloader:
     and :meth:`close`. ``store`` and ``load`` validate their arguments at once
     and return a running :class:`Transfer`.
 
+    Keys are ``bytes``, ``str`` or ``int`` (``True`` is the key ``1``), or tuples of keys, nested
+    tuples too: exactly these types, not subclasses. Every call that takes keys refuses any other
+    with a ``TypeError`` before it does anything: convert a numpy integer or an enum member with
+    ``int()``, encode other keys' parts into bytes or a str.
+
     Keyword options: ``chunk_bytes`` (bytes per copy chunk, the unit of
     pipelining and of cancellation; a GPU cache gets two staging buffers of
     this size per direction, 512 MiB of GPU memory in all at the default
     of 128 MiB; smaller chunks save GPU memory and cost throughput when
-    stores and loads run at once), ``completion`` (how CUDA
-    completion reaches the worker loops: ``"poll"``, the default, or
-    ``"thread"``; see docs/design.md for the measurements), ``use_batch_copy``
+    stores and loads run at once), ``use_batch_copy``
     (False forces one ``cuMemcpyAsync`` per copy instead of ``cuMemcpyBatchAsync``),
     ``bounce_bytes`` (the disk tier's IO unit through its pinned bounce buffers, default
     ``chunk_bytes``), ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
@@ -126,9 +130,7 @@ class Offloader:
         disk_bytes: int | str | None = Options.disk_bytes,
         chunk_bytes: int = Options.chunk_bytes,
         bounce_bytes: int | str | None = Options.bounce_bytes,
-        completion: Literal["poll", "thread"] = Options.completion,
         gather_ctas: int = Options.gather_ctas,
-        gather_priority: Literal["low", "high"] = Options.gather_priority,
         copy_engine: Literal["kernel", "dma"] = Options.copy_engine,
         use_batch_copy: bool = Options.use_batch_copy,
         io_threads: int = Options.io_threads,
@@ -150,8 +152,7 @@ class Offloader:
             disk_path=disk_path,  # type: ignore[arg-type]  # Options normalizes to str
             disk_blocks=disk_blocks, disk_bytes=disk_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
             chunk_bytes=chunk_bytes, bounce_bytes=bounce_bytes,  # type: ignore[arg-type]  # Options parses sizes to int
-            completion=completion, gather_ctas=gather_ctas,
-            gather_priority=gather_priority, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
+            gather_ctas=gather_ctas, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
             remote=remote, remote_shard=remote_shard, remote_write=remote_write,
         )
@@ -225,7 +226,7 @@ class Offloader:
         seconds (None: no limit); a ``store()`` or ``load()`` call running in another thread is
         waited for within it. May be called from any thread: where it cannot wait for what it
         closes (on one of the offloader's own threads, in a done callback, say, or inside a
-        ``store()``/``load()`` call of this thread, from a key's ``__hash__``) it hands the shutdown
+        ``store()``/``load()`` call of this thread, from a signal handler) it hands the shutdown
         to a thread named ``kvoffload-close`` and returns at once. Idempotent. Raises
         :class:`CloseError` if a thread or call does not end within ``timeout``; memory and the
         disk file are then kept, and a later ``close()`` finishes the job. ``TypeError`` /
@@ -356,9 +357,13 @@ class Offloader:
         ``self._calls.pop(token, None)`` (one C call: an interrupt cannot land between the call's end
         and the uncounting), then :meth:`_wake_close` if it was the last and close() has begun (it sets
         ``_closed`` under the lock before it looks at the count)."""
-        self._check_process()
+        if self._generation != process_generation():
+            self._check_process()
         with self._lock:
-            storage = self._running_storage()
+            rt = self._runtime
+            storage = rt.storage if rt is not None and not self._closed else None
+            if storage is None:
+                storage = self._running_storage()  # raises: closed, or not started
             self._calls[token] = threading.get_ident()
         return storage
 
@@ -376,11 +381,13 @@ class Offloader:
         stored) are skipped and reported in ``TransferResult.skipped``. For a
         GPU cache the copy waits for the work queued so far on the caller's
         current stream (or for ``after``, a ``torch.cuda.Event``). Raises
-        ``TypeError``/``ValueError`` on bad arguments and :class:`CapacityError`
-        when no room can be made; then nothing is queued.
+        ``TypeError``/``ValueError`` on bad arguments (a key of another type than the
+        class docstring lists, say) and :class:`CapacityError` when no room can be made;
+        then nothing is queued.
         """
-        checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False)
-        self._check_after(after)
+        checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=False, call="store()")
+        if after is not None:
+            self._check_after(after)
         token = object()
         try:
             return self._call_started(token).store(checked, after)
@@ -410,8 +417,9 @@ class Offloader:
         stored, ``TypeError`` / ``ValueError`` on bad arguments; then nothing is queued and the
         lease is kept.
         """
-        checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True)
-        self._check_after(after)
+        checked = check_block_mapping(blocks, self._layout.num_blocks, unique_ids=True, call="load()")
+        if after is not None:
+            self._check_after(after)
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a kvoffload.Lease from lookup(keys, hold=True), got {type(lease).__name__}")
         token = object()
@@ -450,17 +458,17 @@ class Offloader:
 
         ``hold=True`` returns a :class:`Lease` on those hits instead (``.count`` is the hit length):
         they stay, neither evicted nor spilled, until a ``load(..., lease=lease)`` takes them, the
-        lease is released, or ``hold_s`` seconds have passed (``inf``: no deadline). ``TypeError`` for a ``str``, ``bytes``,
+        lease is released, or ``hold_s`` seconds have passed (``inf``: no deadline). ``TypeError`` for a key
+        of another type than the class docstring lists, and for a ``str``, ``bytes``,
         ``bytearray`` or ``memoryview``: one key, not an iterable of keys (``lookup([key])``);
         ``ValueError`` for a ``hold_s`` that is not a number >= 0 (NaN, negative)."""
-        _check_not_one_key("lookup", keys)
+        keys = key_list("lookup()", keys)
         index = self._running_storage().index
         if not hold:
             hits = index.lookup(keys)
             self._counters.looked_up(hits)
             return hits
         hold_s = check_seconds("hold_s", hold_s, infinite=True)
-        keys = list(keys)
         lease = Lease(index)  # first: an interrupt in hold() leaves pins that the lease gives back
         try:
             lease.count = index.hold(keys, lease._pins, hold_s)
@@ -479,8 +487,7 @@ class Offloader:
         Without a remote tier it is :meth:`lookup`. ``TypeError`` / ``ValueError`` for a key that
         is not ``bytes``, ``str`` or ``int`` (or too long) when there is a remote tier; ``TypeError``
         for a ``str`` or ``bytes`` given as the keys, as :meth:`lookup`."""
-        _check_not_one_key("alookup", keys)
-        keys = list(keys)
+        keys = key_list("alookup()", keys)
         rt = self._running_runtime()
         remote = rt.remote
         encoded = [encode_key(k) for k in keys] if remote is not None else []  # before anything: the call's errors
@@ -499,6 +506,9 @@ class Offloader:
             rt.hold_expiry.follow()
 
     def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is stored (a load may name it now). ``TypeError`` for a key that is not
+        native, as every call that takes keys."""
+        check_key("'in'", key)
         self._check_process()
         rt = self._runtime
         storage = rt.storage if rt is not None and not self._closed else None
@@ -514,8 +524,9 @@ class Offloader:
     def discard(self, keys: Iterable[Hashable]) -> int:
         """Forget stored keys; returns how many were present. Running loads of them finish normally.
 
-        ``TypeError`` for a ``str``, ``bytes``, ``bytearray`` or ``memoryview``, as :meth:`lookup`."""
-        _check_not_one_key("discard", keys)
+        ``TypeError`` for a key of another type than the class docstring lists, and for a ``str``,
+        ``bytes``, ``bytearray`` or ``memoryview``, as :meth:`lookup`."""
+        keys = key_list("discard()", keys)
         return self._running_storage().discard(keys)
 
     def stats(self) -> OffloaderStats:
@@ -577,12 +588,3 @@ class Offloader:
                 remote_writes_pending=remote.writes_pending,
                 latency=k.latency(),
             )
-
-
-def _check_not_one_key(method: str, keys: object) -> None:
-    """A string or bytes where an iterable of keys is expected would be taken character by character."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise TypeError(
-            f"{method}() takes an iterable of keys, got a {type(keys).__name__}, which would be taken character by "
-            f"character: pass [key] for one key"
-        )

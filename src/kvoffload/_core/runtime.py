@@ -22,7 +22,6 @@ from typing import Literal
 
 import torch
 
-from .cuda.events import CompletionBridge, make_bridge
 from .base.deadline import Deadline
 from .base.errors import CloseError
 from .base.helper_threads import HelperThread, on_worker_thread, process_generation
@@ -30,9 +29,9 @@ from .workers.copy_submission import CopyCalls
 from .workers.copy_worker import CopyWorker, CopyWorkers
 from .base.layout import BlockLayout
 from .workers.worker_loop import WorkerLoop
-from .workers.copier import BlockCopier, make_block_copier
+from .workers.copier import make_block_copier
 from .base.diskfile import check_free_space, disk_file_path
-from .tiers.index import BlockIndex
+from .tiers.holds import Holds
 from .base.cache_identity import CacheIdentity
 from .base.options import Options, TierSlots, format_size
 from .tiers.stats import TierCounts, TransferCounters
@@ -42,7 +41,6 @@ from .tiers.tiered_storage import TieredStorage
 
 __all__ = [
     "BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "HoldExpiry", "Runtime", "finalize_runtime", "process_generation",
-    "start_copy_worker",
 ]
 
 log = logging.getLogger("kvoffload")
@@ -213,13 +211,13 @@ class HoldExpiry:
     """Gives the index's expired holds (leases) back at their deadline, on a worker loop, even when
     nothing calls the offloader: a store waiting for a held slot must not wait for a later call.
 
-    One wake-up at most is pending, for the index's earliest deadline (:meth:`follow` after every
-    hold); it runs on the loop, never in the caller's thread, and none is armed once :meth:`close`
-    was called.
+    One wake-up at most is pending, for the earliest deadline of ``holds`` (:meth:`follow` after
+    every hold); it runs on the loop, never in the caller's thread, and none is armed once
+    :meth:`close` was called.
     """
 
-    def __init__(self, index: BlockIndex, worker: WorkerLoop) -> None:
-        self._index = index
+    def __init__(self, holds: Holds, worker: WorkerLoop) -> None:
+        self._holds = holds
         self._worker = worker
         self._lock = threading.Lock()
         self._due = math.inf
@@ -230,9 +228,9 @@ class HoldExpiry:
         worker.add_stop_hook(self._cancel)
 
     def follow(self) -> None:
-        """After a hold: make sure a wake-up is due by the index's earliest deadline. From any thread;
-        a look without a lock while one is."""
-        deadline = self._index._next_expiry
+        """After a hold: make sure a wake-up is due by the earliest deadline. From any thread; a look
+        without a lock while one is."""
+        deadline = self._holds.next_expiry
         if deadline >= self._due:
             return
         try:
@@ -243,14 +241,14 @@ class HoldExpiry:
             self._worker.mailbox.post(self._arm)
         except RuntimeError:  # the loop has stopped: the offloader is closing
             pass
-        except BaseException:  # an interrupt: the next hold arms it (the loop reads the deadline from the index)
+        except BaseException:  # an interrupt: the next hold arms it (the loop reads the deadline from the holds)
             with self._lock:
                 self._due = math.inf
             raise
 
     def _arm(self) -> None:
-        """On the loop: (re)arm the one wake-up for the index's earliest deadline now."""
-        deadline = self._index._next_expiry
+        """On the loop: (re)arm the one wake-up for the earliest deadline now."""
+        deadline = self._holds.next_expiry
         with self._lock:
             if self._closed:
                 return
@@ -265,7 +263,7 @@ class HoldExpiry:
         """On the loop, at the deadline: give back the expired holds, then arm for the next deadline."""
         self._handle = None
         try:
-            self._index._expire_holds()
+            self._holds.expire()
         except Exception:  # the next call on the index gives them back, the next hold arms again
             log.exception("kvoffload: giving back expired leases failed")
             with self._lock:
@@ -327,9 +325,9 @@ class Runtime:
             expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
             for name in ("store", "load", "expedited") if expedited else ("store", "load"):
                 copier = make_block_copier(layout, caches, opts, expedited=name == "expedited")
-                self.workers.append(start_copy_worker(
-                    "store" if name == "store" else "load", f"kvoffload-{name}", copier, self.copy_calls,
-                    completion=opts.completion if layout.is_cuda else None, on_thread_start=_init_worker_thread(layout.device),
+                self.workers.append(CopyWorker(
+                    "store" if name == "store" else "load", f"kvoffload-{name}", copier, self.copy_calls, gpu=layout.is_cuda,
+                    on_thread_start=_init_worker_thread(layout.device),
                 ))
             self.storage = TieredStorage(
                 layout, slots.host, disk_path, slots.disk, CopyWorkers(self.workers[0], self.workers[1], self.workers[2] if expedited else None), metrics,
@@ -338,7 +336,7 @@ class Runtime:
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
                 identity=identity, verify=opts.verify,
             )
-            self.hold_expiry = HoldExpiry(self.storage.index, self.workers[1].loop)
+            self.hold_expiry = HoldExpiry(self.storage.index.holds, self.workers[1].loop)
             if opts.remote is not None:
                 identity = CacheIdentity.of(caches, layout, opts.fingerprint, opts.remote_shard)
                 self.remote = RemoteTier(opts.remote, identity, self.storage.index, opts.remote_write)
@@ -397,18 +395,16 @@ class Runtime:
         timeout = deadline.timeout
         if self.hold_expiry is not None:
             self.hold_expiry.close()
-        stuck = [worker.loop.name for worker in self.workers if not worker.loop.stop(deadline.left())]
+        stuck = [worker.name for worker in self.workers if not worker.stop(deadline.left())]
         if stuck:  # never free memory a live thread may still copy into
             raise CloseError(
                 f"worker thread(s) {stuck} did not stop within {timeout} s; memory and disk file kept: call close() again"
             )
         for worker in self.workers:
-            try:  # on a failed device these raise; its memory is freed with the rest all the same
-                if worker.bridge is not None:
-                    worker.bridge.close()
-                worker.copier.close()
+            try:  # on a failed device this raises; its memory is freed with the rest all the same
+                worker.close()
             except Exception:
-                log.exception("kvoffload: %s: releasing the copier failed; going on with the close", worker.loop.name)
+                log.exception("kvoffload: %s: releasing the copier failed; going on with the close", worker.name)
         self.workers = []
         remote = self.remote
         if remote is not None:  # its writes read host slots: done or dropped before the memory goes
@@ -446,32 +442,6 @@ class Runtime:
         disk = self.storage.disk if self.storage is not None else self._disk_left
         if disk is not None:
             disk.file.unlink()
-
-
-def start_copy_worker(
-    kind: Literal["store", "load"], thread_name: str, copier: BlockCopier, calls: CopyCalls, *,
-    completion: Literal["poll", "thread"] | None, on_thread_start: Callable[[], None] | None = None,
-) -> CopyWorker:
-    """A copy worker around ``copier``, which it owns from now on: a worker loop thread named
-    ``thread_name`` (``on_thread_start`` runs first on it) and, with ``completion`` (GPU caches), the
-    bridge that brings the copier's completions to the loop (``thread_name-events``). When a part
-    cannot be made, the thread is stopped and the copier closed before the error is raised."""
-    loop: WorkerLoop | None = None
-    bridge: CompletionBridge | None = None
-    try:
-        loop = WorkerLoop(thread_name, on_thread_start=on_thread_start)
-        bridge = make_bridge(completion, loop.loop, f"{thread_name}-events") if completion is not None else None
-        return CopyWorker(kind, loop, copier, bridge, calls)
-    except BaseException:
-        if loop is not None:
-            loop.stop(5.0)
-        try:
-            if bridge is not None:
-                bridge.close()
-            copier.close()
-        except Exception:  # a failed device: the error that stopped the start is the one to raise
-            log.exception("kvoffload: %s: releasing the copier after a failed start failed", thread_name)
-        raise
 
 
 def finalize_runtime(rt: Runtime) -> None:

@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         step(run)
     rep = run.rep
     print("\n" + rep.table(), flush=True)
+    for line in rep.below_floor():
+        print("below its floor:", line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rep.rows, "extra": rep.extra}, f, indent=1)

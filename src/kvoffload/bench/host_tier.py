@@ -100,6 +100,7 @@ def host_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, base
     finally:
         hbase.close()
     for order in ("contiguous", "random"):
-        rep.row(f"host store, {order} ids", "GB/s", results[f"store_{order}"], ceil_d2h, bres[f"store_{order}"])
-        rep.row(f"host load, {order} ids", "GB/s", results[f"load_{order}"], ceil_h2d, bres[f"load_{order}"])
+        floor = 0.96 if dev.type == "cuda" else None  # bulk transfers of 64 KiB pieces keep pace with one large copy
+        rep.row(f"host store, {order} ids", "GB/s", results[f"store_{order}"], ceil_d2h, bres[f"store_{order}"], floor=floor)
+        rep.row(f"host load, {order} ids", "GB/s", results[f"load_{order}"], ceil_h2d, bres[f"load_{order}"], floor=floor)
     rep.row("host store + load at once", "GB/s", results["both"], ceil_both, bres["both"])

@@ -29,13 +29,19 @@ class Report:
         print(f"[{self.step}/{self.steps} {time.perf_counter() - self.t0:6.1f}s] {what}: skipped ({reason})", flush=True)
 
     def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
-            baseline: float | None = None, note: str = "") -> None:
-        """Add (and print) a row: kvoffload's figure beside the ceiling and the seed-style baseline."""
+            baseline: float | None = None, note: str = "", floor: float | None = None) -> None:
+        """Add (and print) a row: kvoffload's figure beside the ceiling and the seed-style baseline.
+        ``floor``: the share of the ceiling this row must reach; a row below it is listed at the end."""
         r = {"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "ceiling": ceiling, "baseline": baseline,
              "vs_ceiling": kvoffload / ceiling if ceiling else None, "vs_baseline": kvoffload / baseline if baseline else None,
-             "note": note}
+             "note": note, "floor": floor}
         self.rows.append(r)
         print("    " + _fmt_row(r), flush=True)
+
+    def below_floor(self) -> list[str]:
+        """The rows whose share of the ceiling is below their floor, as lines to print."""
+        return [f"{r['scenario']}: {r['vs_ceiling']:.2f} of the ceiling, floor {r['floor']:.2f}"
+                for r in self.rows if r["floor"] is not None and r["vs_ceiling"] is not None and r["vs_ceiling"] < r["floor"]]
 
     def table(self) -> str:
         """The summary table of every row so far."""
@@ -47,8 +53,9 @@ def _fmt_row(r: dict[str, Any]) -> str:
     def num(x: float | None, fmt: str = "10.2f") -> str:
         return format(x, fmt) if x is not None else " " * (int(fmt.split(".")[0]) - 1) + "-"
 
+    low = r.get("floor") is not None and r["vs_ceiling"] is not None and r["vs_ceiling"] < r["floor"]
     return (f"{r['scenario']:38s} {r['unit']:>10s} {num(r['kvoffload'])} {num(r['ceiling'])} {num(r['baseline'])} "
-            f"{num(r['vs_ceiling'], '7.2f')} {num(r['vs_baseline'], '7.2f')}")
+            f"{num(r['vs_ceiling'], '7.2f')} {num(r['vs_baseline'], '7.2f')}" + ("  BELOW FLOOR" if low else ""))
 
 
 def plot(report: Report, path: str) -> None:

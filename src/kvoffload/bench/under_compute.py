@@ -57,7 +57,7 @@ def under_compute_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.dev
     side = torch.cuda.Stream(device=dev)
     variants: list[tuple[str, dict[str, Any]]] = [
         ("gather_ctas=0 (default)", {}), ("gather_ctas=32", {"gather_ctas": 32}), ("gather_ctas=8", {"gather_ctas": 8}),
-        ("gather_priority=high", {"gather_priority": "high"}), ("copy_engine=dma", {"copy_engine": "dma"}),
+        ("copy_engine=dma", {"copy_engine": "dma"}),
     ]
     for label, options in variants:
         with Offloader(caches, host_blocks=n, **options) as off:

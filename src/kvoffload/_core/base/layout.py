@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .keys import check_keys
+
 __all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
 
 SLOT_ALIGN = 4096
@@ -347,15 +349,18 @@ def _check_plain_memory(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool) -> dict[Hashable, int]:
-    """Validate a ``key -> block id`` mapping before anything is queued.
+def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool, call: str) -> dict[Hashable, int]:
+    """Validate a ``key -> block id`` mapping before anything is queued (``call``: the public call, for
+    the messages).
 
-    Returns a plain dict with the ids as ``int``. ``TypeError`` for a non-mapping
-    or a non-integer id; ``ValueError`` for an id outside ``[0, num_blocks)`` or,
-    with ``unique_ids``, two keys naming the same block.
+    Returns a plain dict with the ids as ``int``. ``TypeError`` for a non-mapping, a key that is not
+    native (:func:`~.keys.check_keys`: checked first, before any key is hashed) or a non-integer id;
+    ``ValueError`` for an id outside ``[0, num_blocks)`` or, with ``unique_ids``, two keys naming the
+    same block.
     """
     if not isinstance(blocks, Mapping):
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
+    check_keys(call, blocks)
     checked: dict[Hashable, int] = {}
     for key, block in blocks.items():
         if type(block) is int and 0 <= block < num_blocks:  # the common case, checked cheaply

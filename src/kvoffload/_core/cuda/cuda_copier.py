@@ -79,7 +79,7 @@ class CudaBlockCopier:
 
     def __init__(
         self, layout: BlockLayout, kv_caches: Mapping[str, torch.Tensor], *, chunk_bytes: int, use_batch_copy: bool = True,
-        gather_ctas: int = 0, priority: int = 0, kernel_priority: int | None = None, copy_engine: str = "kernel",
+        gather_ctas: int = 0, priority: int = 0, copy_engine: str = "kernel",
         loads_by_sm: bool = False,
     ) -> None:
         self._layout = layout
@@ -87,9 +87,8 @@ class CudaBlockCopier:
         self._pieces = layout.pieces
         self._rows = layout.block_rows(kv_caches)
         self.chunk_blocks = layout.blocks_per_chunk(chunk_bytes)
-        # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one, and
-        # gather_priority="high" for the kernel stream alone.
-        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority if kernel_priority is None else kernel_priority)
+        # Priority 0 is the lowest: compute kernels go first. Expedited loads ask for a higher one.
+        self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         # Rings for threads asleep until a load lands: host functions wait here, delaying no copy.

@@ -221,9 +221,7 @@ class DiskTier:
             return
         interval = persistent_slots.CHECKPOINT_INTERVAL_S
         self._snapshot = snapshot
-        self._checkpoints = asyncio.run_coroutine_threadsafe(
-            self.persistent.checkpoint_every(interval, snapshot, self.pool), self.workers.store.loop.loop,
-        )
+        self._checkpoints = self.workers.store.run_coroutine(self.persistent.checkpoint_every(interval, snapshot, self.pool))
 
     def forget(self, slot: int) -> None:
         """Persistent tier: disk ``slot`` went back to the pool; its old entry must not come back."""
@@ -257,8 +255,8 @@ class DiskTier:
                     landed(writes.popleft()[1])
                 half = await pool.acquire()
                 rows = pool.rows_of(half, len(chunk))
-                event = await worker.tasks.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
-                await worker.tasks.wait(event)
+                event = await worker.copy(CopyRequest(True, pool.rows, [b for b, _ in chunk], rows))
+                await worker.wait(event)
                 event = None
                 first = i * pool.chunk_blocks
                 batch = self.write_rows(pool.array, rows, [s for _, s in chunk], keys[first : first + len(chunk)])
@@ -269,7 +267,7 @@ class DiskTier:
                 await writes[0][0].wait()
                 landed(writes.popleft()[1])
         except BaseException:
-            await worker.tasks.settle(event)
+            await worker.settle(event)
             if half is not None:
                 pool.release(half)
             for w, _ in writes:
@@ -311,17 +309,17 @@ class DiskTier:
                     if free is not None:
                         reading = start_read(i + 1, free)
                 try:
-                    last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
+                    last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunk], pool.rows_of(half, len(chunk))))
                 finally:
-                    pool.release_after(worker.tasks.settle(last), half)
+                    pool.release_after(worker.settle(last), half)
                 if more and reading is None:
                     reading = start_read(i + 1, await pool.acquire())
-            await worker.tasks.wait(last)
+            await worker.wait(last)
         except BaseException:
             if reading is not None:
                 await reading[0].settle()
                 pool.release(reading[1])
-            await worker.tasks.settle(last)
+            await worker.settle(last)
             raise
 
     async def load_fetched(
@@ -347,7 +345,7 @@ class DiskTier:
             try:
                 await batch.wait()  # (not settle(): that would cancel the writes not started)
             finally:
-                await worker.tasks.settle(event)
+                await worker.settle(event)
 
         try:
             for i, chunk in enumerate(chunks):
@@ -371,18 +369,18 @@ class DiskTier:
             if held is not None:
                 (half, rows), held = held, None
                 try:
-                    last = await worker.tasks.copy(CopyRequest(False, pool.rows, [b for _, b in chunks[-1]], rows))
+                    last = await worker.copy(CopyRequest(False, pool.rows, [b for _, b in chunks[-1]], rows))
                 finally:
                     pool.release_after(ended(writes[-1], last), half)
             if len(chunks) > 1:
                 await self.load(pairs[: (len(chunks) - 1) * pool.chunk_blocks])
             if writes:
                 await writes[-1].wait()
-            await worker.tasks.wait(last)
+            await worker.wait(last)
         except BaseException:
             for batch in writes:
                 await batch.settle()
-            await worker.tasks.settle(last)
+            await worker.settle(last)
             if held is not None:
                 pool.release(held[0])
             raise

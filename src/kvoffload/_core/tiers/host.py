@@ -35,7 +35,7 @@ class HostTier:
         self.layout = layout
         self.slots = slots
         self.workers = workers
-        self.chunk_blocks = workers.store.copier.chunk_blocks
+        self.chunk_blocks = workers.store.chunk_blocks
         self.buffer = HostBuffer(slots * layout.slot_bytes, pin=layout.device if layout.is_cuda else None)
         self.rows = self.buffer.tensor.view(slots, layout.slot_bytes)
 
@@ -63,11 +63,11 @@ class HostTier:
     async def copy_in(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
         """Copy cache blocks into slots (``(block id, slot)`` pairs) on the store worker's loop;
         ``landed(n)`` after each chunk of n."""
-        await self.workers.store.tasks.pipeline(self.requests_in(pairs), lambda r: r, lambda r: landed(len(r.block_ids)))
+        await self.workers.store.pipeline(self.requests_in(pairs), lambda r: r, lambda r: landed(len(r.block_ids)))
 
     async def copy_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy slots into cache blocks (``(slot, block id)`` pairs) on the load worker's loop."""
-        await self.workers.load.tasks.pipeline(self.requests_out(pairs), lambda r: r, lambda r: None)
+        await self.workers.load.pipeline(self.requests_out(pairs), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

@@ -2,31 +2,12 @@
 
 Thread-safe: the facade reserves and pins from the caller's thread, the worker
 loops publish, spill and release from theirs. One lock guards everything; no IO,
-no copy and no caller code (iterables, callbacks, the keys' own ``__hash__``,
-``__eq__`` and ``__repr__``) ever runs under it.
-
-Keys
-    A key of a *native* type (exactly ``bytes``, ``str``, ``int``, ``bool``,
-    ``float``, ``None``, or a tuple of native keys), whose hash and equality are
-    the interpreter's own, is its own index key: found by one dict lookup, the
-    fast path. Any other key may run arbitrary code when hashed or compared (and
-    call back into the offloader, from this thread or another), so the index
-    never hashes or compares it under the lock. Its hash is taken before the
-    lock (:class:`_KeyBatch`); in the index it stands under a :class:`_StandIn`
-    that carries that hash and equals only itself. Which entry it belongs to is
-    decided by comparing it, outside the lock, with each index key stored under
-    its hash (:class:`_Probe`; under the lock, :class:`_HashMates` lists them):
-    the call takes the lock, and goes ahead only once every index key now under
-    that hash has been compared; otherwise it releases the lock, compares the
-    ones it has not, and tries again. So equal keys are one key whatever the
-    objects (a native key and an equal key of another type included: ``1`` and
-    an ``IntEnum`` member of value 1), a key discarded and stored again as
-    another object meanwhile is compared again, and of two stores of equal keys
-    racing each other exactly one reserves it. A key's ``__hash__`` or
-    ``__eq__`` that raises fails the call before anything is changed.
+no copy and no caller code ever runs under it. Keys are native (``base/keys.py``;
+the facade checks them): hashed and compared by the interpreter's own code, each
+is found by one dict lookup under the lock (``1`` and ``True`` are one key).
 
 Entries
-    Each key present has one :class:`Entry` in exactly one :class:`State`::
+    Each key present has one :class:`~.entries.Entry` in exactly one :class:`~.entries.State`::
 
         PENDING  --publish-->  READY  --spill starts-->  SPILLING  --spill done-->  READY (on disk)
            |                     |                           |      --spill failed-> READY (on host)
@@ -75,58 +56,27 @@ Slots
     load fails or is cancelled, the slot goes back to the pool with the load's
     last reader: one host copy per entry at most.
 
-Holds
-    A lease (:meth:`BlockIndex.hold`) pins its hits as a load does, so no store evicts or spills
-    them, until it is released, a load takes its pins over (:meth:`BlockIndex.pin`'s ``taking``),
-    or its deadline passes: expired holds are given back at the start of the next lookup, hold,
-    pin, reserve or count.
+Holds and interrupts
+    A lease (:meth:`BlockIndex.hold`) pins its hits as a load does, until it is released, a load
+    takes its pins over, or its deadline passes (``holds.py``). An interrupt (a signal handler's
+    ``KeyboardInterrupt``) anywhere in a step leaves slot ownership true; ``repair.py`` rebuilds the
+    rest from it.
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import TypeVar
 
 from ..base.convoy_free_lock import ConvoyFreeLock
 from ..base.errors import CapacityError, MissingKeysError
+from .entries import DISK, HOST, TIER_NAMES, VISIBLE, Entry, State, Tier
+from .holds import Holds
+from .repair import IndexRepair
 
-__all__ = ["BlockIndex", "Evicted", "IndexCounts", "Reservation", "Spill", "Pin"]
-
-HOST, DISK = 0, 1
-TIER_NAMES = ("host", "disk")
-
-
-class State(enum.Enum):
-    """Where an entry is in its life (see the module docstring)."""
-
-    PENDING = "pending"
-    READY = "ready"
-    SPILLING = "spilling"
-    GONE = "gone"
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    """One key's block: its state, and the tier and slot where loads find it."""
-
-    key: Hashable
-    """The caller's key, as the store that made the entry passed it."""
-    index_key: Hashable
-    """What the index's dicts hold it under: ``key`` itself if native, else its :class:`_StandIn`."""
-    state: State
-    tier: int
-    slot: int
-    loads: int = 0
-    """Running loads that pinned this entry (for ``stats().pinned``)."""
-    clean_slot: int = -1
-    """A READY host entry's clean disk copy: the disk slot it was promoted from, still owned by it and
-    holding its bytes unchanged; -1: none. With ``slot`` (in ``tier``), the slots the entry owns."""
+__all__ = ["DISK", "HOST", "BlockIndex", "Entry", "Evicted", "IndexCounts", "Pin", "Reservation", "Spill", "State"]
 
 
 @dataclass(eq=False, slots=True)
@@ -220,167 +170,20 @@ class Reservation:
     their bytes until the store writes them."""
 
 
-@dataclass
-class _Tier:
-    """Slot ownership of one tier."""
-
-    size: int
-    owner: list[Entry | None] = field(init=False)
-    readers: list[int] = field(init=False)
-    free: list[int] = field(init=False)
-    lru: OrderedDict[Hashable, Entry] = field(default_factory=OrderedDict)
-    """READY and SPILLING entries whose current copy is in this tier, least recently used first (by index key)."""
-
-    def __post_init__(self) -> None:
-        self.owner = [None] * self.size
-        self.readers = [0] * self.size
-        self.free = list(range(self.size - 1, -1, -1))  # low numbers first: fresh stores are contiguous
-
-    def take(self, entry: Entry) -> int:
-        slot = self.free.pop()
-        self.owner[slot] = entry
-        return slot
-
-    def take_in_order(self, entries: list[Entry]) -> None:
-        """Give each of ``entries`` a free slot, in ascending order: consecutive slots make one copy
-        descriptor per run (slots freed in some order, say by a discard, are taken back sorted)."""
-        if not entries:
-            return
-        slots = sorted(self.free[-len(entries):])
-        del self.free[-len(entries):]
-        for e, slot in zip(entries, slots):
-            self.owner[slot] = e
-            e.slot = slot
-
-
-# -- keys -------------------------------------------------------------------------
-
-_NATIVE_TYPES = frozenset({bytes, str, int, bool, float, type(None)})
-_TUPLE_ONLY = frozenset({tuple})
-
-
-def _native(key: object) -> bool:
-    """True when hashing and comparing ``key`` runs the interpreter's own code only: a key of an
-    exact native type, or a tuple of such keys (subclasses may define their own methods)."""
-    if type(key) in _NATIVE_TYPES:
-        return True
-    return type(key) is tuple and (_NATIVE_TYPES.issuperset(map(type, key)) or all(map(_native, key)))
-
-
-def _all_native(keys: list[Hashable]) -> bool:
-    """:func:`_native` of every key, the common cases (all bytes, say; all tuples of bytes and ints) at C speed."""
-    if _NATIVE_TYPES.issuperset(map(type, keys)):
-        return True
-    if len(keys) > 1 and _TUPLE_ONLY.issuperset(map(type, keys)):
-        if _NATIVE_TYPES.issuperset(map(type, chain.from_iterable(keys))):  # type: ignore[arg-type]  # tuples
-            return True
-    return all(map(_native, keys))
-
-
-class _StandIn:
-    """The index key of a non-native key: the key and its hash, taken outside the lock. Hashes as the
-    key did and equals only itself, so the index's dicts never run the key's own methods."""
-
-    __slots__ = ("key", "hash")
-
-    def __init__(self, key: Hashable, key_hash: int) -> None:
-        self.key = key
-        self.hash = key_hash
-
-    def __hash__(self) -> int:
-        return self.hash
-
-
-class _HashMates:
-    """Lists the keys a dict holds under one hash, running none of their code: a dict lookup of it
-    compares it with each of them; their ``__eq__`` (the interpreter's, for native keys and stand-ins)
-    declines an object of another type, so the dict asks this one's, which records the key and says no."""
-
-    __slots__ = ("hash", "found")
-
-    def __init__(self, key_hash: int) -> None:
-        self.hash = key_hash
-        self.found: list[Hashable] = []
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        self.found.append(other)  # a dict key
-        return False
-
-
-class _Probe:
-    """A key being matched with the index keys stored under its hash, outside the lock.
-
-    Under the lock, :meth:`BlockIndex._settle` lists the index keys not yet compared (``pending``);
-    outside it, :meth:`compare` compares them (the caller's ``__eq__`` runs there). ``known`` remembers
-    each comparison by the index key's identity, so a key discarded and stored again as another object
-    is compared again. ``native``: a native key that may equal a non-native one stored under its hash.
-    """
-
-    __slots__ = ("key", "hash", "native", "known", "pending")
-
-    def __init__(self, key: Hashable, key_hash: int, native: bool = False) -> None:
-        self.key = key
-        self.hash = key_hash
-        self.native = native
-        self.known: dict[int, tuple[Hashable, bool]] = {}
-        """id(index key) -> (the index key, kept alive so that its id stays its own; equal to ``key``?)."""
-        self.pending: list[Hashable] = []
-
-    def compare(self) -> None:
-        """Outside the lock: compare ``key`` with the pending index keys, until one is equal."""
-        for c in self.pending:
-            stored = c.key if type(c) is _StandIn else c
-            equal = stored is self.key or bool(stored == self.key)
-            self.known[id(c)] = (c, equal)
-            if equal:
-                break
-        self.pending = []
-
-
-class _KeyBatch:
-    """The keys of one call, made ready outside the lock for matching under it.
-
-    ``items`` holds each native key as it is and each other key hashed into a :class:`_Probe`
-    (``TypeError`` for an unhashable one, before anything is done). ``unique``: equal keys share the
-    item of the first of them, so that one store's duplicates are told apart by identity under the
-    lock. ``native_probes``: probes the lock made for native keys that may equal a stand-in (by
-    position). ``up_to_invisible``: matching may stop at the first key found invisible (a lookup's prefix).
-    """
-
-    __slots__ = ("items", "native_probes", "up_to_invisible")
-
-    def __init__(self, keys: list[Hashable], unique: bool = False, up_to_invisible: bool = False) -> None:
-        self.up_to_invisible = up_to_invisible
-        self.native_probes: dict[int, _Probe] = {}
-        self.items: list[Hashable] = [k if _native(k) else _Probe(k, hash(k)) for k in keys]
-        if unique:
-            first: dict[Hashable, Hashable] = {}
-            self.items = [first.setdefault(k, item) for k, item in zip(keys, self.items)]
-
-
-_VISIBLE = (State.READY, State.SPILLING)
-
-R = TypeVar("R")
-
-
 class BlockIndex:
     """One index over the host and disk tiers.
 
     ``promote``: a load of disk-resident entries takes free host slots for them (promotion, see the
-    module docstring); never with one tier only.
+    module docstring); never with one tier only. Keys are native (the facade checked them); an
+    iterable of keys is made a list before the lock is taken: it may be the caller's code.
     """
 
     def __init__(self, host_slots: int, disk_slots: int, promote: bool = False) -> None:
         self._lock = ConvoyFreeLock()  # callers' threads and the workers' share it, all running Python
         self._promote = promote and host_slots > 0 and disk_slots > 0
         self._entries: dict[Hashable, Entry] = {}
-        """Index key -> entry, for every entry but GONE ones."""
-        self._stand_ins = 0
-        """How many index keys are :class:`_StandIn` (while none is, a native key is found by its own lookup)."""
-        self._tiers = (_Tier(host_slots), _Tier(disk_slots))
+        """Key -> entry, for every entry but GONE ones."""
+        self._tiers = (Tier(host_slots), Tier(disk_slots))
         self._unread_waiters: dict[int, list[Callable[[], object]]] = {}
         """Host slot -> callbacks to run once it has no readers (heirs waiting to write)."""
         self.evicted = 0
@@ -393,21 +196,17 @@ class BlockIndex:
         self._unstarted: dict[Pin, None] = {}
         """Pins whose promotion slot no read has started into yet, oldest first: a store may take those slots back."""
         self._clean: OrderedDict[Hashable, Entry] = OrderedDict()
-        """Index key -> each entry with a clean disk copy, oldest promotion first: the order the disk drops them in."""
-        self._holds: list[tuple[float, int, list[Pin]]] = []
-        """Heap of (deadline, sequence number, pins) of the holds taken by :meth:`hold`, earliest first."""
-        self._next_expiry = float("inf")
-        """The earliest deadline in ``_holds`` (read without the lock: a float is read in one step)."""
-        self._holds_taken = 0
-        self._released_later: list[list[Pin]] = []
-        """Pins of leases the garbage collector took (:meth:`release_later`), given back at the next call."""
+        """Key -> each entry with a clean disk copy, oldest promotion first: the order the disk drops them in."""
+        self.holds = Holds(self._lock, self.unpin)
+        """The leases' deadlines (:meth:`hold`); ``runtime.HoldExpiry`` gives expired ones back at the deadline."""
+        self._repair = IndexRepair(self._entries, self._tiers, self._clean, self._unread_waiters)
         self.on_disk_slot_freed: Callable[[int], object] | None = None
+        """Called under the lock with each disk slot that goes back to the pool (a persistent tier voids
+        its header): it must take no lock but its own and run no caller code."""
         self.report_evictions = False
         """List the entries each reservation evicts in :attr:`Reservation.evicted` (write on eviction)."""
         self._evicted: list[Evicted] | None = None
         """The evictions of the reservation being made (under the lock), when reported."""
-        """Called under the lock with each disk slot that goes back to the pool (a persistent tier voids
-        its header): it must take no lock but its own and run no caller code."""
 
     @property
     def store_tier(self) -> int:
@@ -419,125 +218,27 @@ class BlockIndex:
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """How many leading keys are visible (in any tier); each of them becomes most recently used."""
         keys = list(keys)  # the caller's iterable runs here, not under the lock
-        self._expire_holds()
-        if _all_native(keys):
-            with self._lock:
-                if not self._stand_ins:  # the common case: each key found by its own lookup, up to the first miss
-                    entries, tiers, n = self._entries, self._tiers, 0
-                    for key in keys:
-                        e = entries.get(key)
-                        if e is None or e.state not in _VISIBLE:
-                            break
-                        n += 1
-                        tiers[e.tier].lru.move_to_end(key)
-                    return n
-        return self._under_lock(keys, lambda items, found: self._visible_prefix(found), up_to_invisible=True)
-
-    def _visible_prefix(self, found: list[Entry | None]) -> int:
-        """Under the lock: how many leading ``found`` are visible, each made most recently used."""
-        n = 0
-        for e in found:
-            if e is None or e.state not in _VISIBLE:
-                break
-            n += 1
-            self._tiers[e.tier].lru.move_to_end(e.index_key)
-        return n
+        if self.holds.next_expiry <= time.monotonic():
+            self.holds.expire()
+        with self._lock:
+            entries, tiers, n = self._entries, self._tiers, 0
+            for key in keys:
+                e = entries.get(key)
+                if e is None or e.state not in VISIBLE:
+                    break
+                n += 1
+                tiers[e.tier].lru.move_to_end(key)
+            return n
 
     def __contains__(self, key: Hashable) -> bool:
-        if type(key) in _NATIVE_TYPES or _native(key):
-            with self._lock:
-                if not self._stand_ins:
-                    e = self._entries.get(key)
-                    return e is not None and e.state in _VISIBLE
-        return self._under_lock([key], lambda items, found: self._visible(found[0]))
-
-    @staticmethod
-    def _visible(e: Entry | None) -> bool:
-        return e is not None and e.state in _VISIBLE
-
-    # -- finding keys (under the lock, running no key's code) ------------------------
-
-    def _under_lock(
-        self, keys: list[Hashable], act: Callable[[list[Hashable], list[Entry | None]], R], unique: bool = False,
-        up_to_invisible: bool = False,
-    ) -> R:
-        """``act(items, entries)`` under the lock: ``entries`` those of ``keys`` (None: not in the index),
-        ``items`` the keys as matched (``keys`` itself, or their :class:`_KeyBatch` items).
-
-        Finding the entries may need comparisons with index keys, which run the keys' ``__eq__``: then
-        the lock is released, the probes compare, and the lock is taken again to find them anew.
-        """
-        if _all_native(keys):
-            with self._lock:
-                if not self._stand_ins:  # the common case: every key found by its own lookup
-                    return act(keys, [self._entries.get(k) for k in keys])
-        batch = _KeyBatch(keys, unique, up_to_invisible)
-        while True:
-            with self._lock:
-                found, unsettled = self._resolve(batch)
-                if not unsettled:
-                    return act(batch.items, found)
-            for p in unsettled:
-                p.compare()
-
-    def _resolve(self, batch: _KeyBatch) -> tuple[list[Entry | None], list[_Probe]]:
-        """The entry of each key (None: not in the index), and the probes that must compare first;
-        the entries stand only when no probe is returned."""
-        found: list[Entry | None] = []
-        unsettled: list[_Probe] = []
-        for i in range(len(batch.items)):
-            r = self._find(batch, i)
-            if isinstance(r, _Probe):
-                unsettled.append(r)
-                found.append(None)
-                continue
-            found.append(r)
-            if batch.up_to_invisible and not self._visible(r):
-                break
-        return found, unsettled
-
-    def _find(self, batch: _KeyBatch, i: int) -> Entry | None | _Probe:
-        """The entry of the batch's key ``i``, None, or the probe that must compare first. A native key
-        not in the index that may equal a stand-in under its hash gets a probe (``native_probes``)."""
-        item = batch.items[i]
-        if type(item) is _Probe:
-            return self._settle(item)
-        e = self._entries.get(item)
-        if e is not None or not self._stand_ins:
-            return e
-        p = batch.native_probes.get(i)
-        if p is None:
-            key_hash = hash(item)
-            if not any(type(c) is _StandIn for c in self._hash_mates(key_hash)):
-                return None
-            p = batch.native_probes[i] = _Probe(item, key_hash, native=True)
-        return self._settle(p)
-
-    def _settle(self, p: _Probe) -> Entry | None | _Probe:
-        """The entry of ``p``'s key or None if every index key under its hash was compared; else ``p``,
-        its ``pending`` listing those still to compare (a native key's: the stand-ins only; :meth:`_find`
-        looked it up among the native ones)."""
-        p.pending = []
-        for c in self._hash_mates(p.hash):
-            if p.native and type(c) is not _StandIn:
-                continue
-            known = p.known.get(id(c))
-            if known is None:
-                p.pending.append(c)
-            elif known[1]:
-                p.pending = []
-                return self._entries[c]
-        return p if p.pending else None
-
-    def _hash_mates(self, key_hash: int) -> list[Hashable]:
-        """Every index key stored under ``key_hash``."""
-        mates = _HashMates(key_hash)
-        self._entries.get(mates)
-        return mates.found
+        with self._lock:
+            e = self._entries.get(key)
+            return e is not None and e.state in VISIBLE
 
     def counts(self) -> IndexCounts:
         """Snapshot of slot use per tier and of entry states, with the index's counters."""
-        self._expire_holds()
+        if self.holds.next_expiry <= time.monotonic():
+            self.holds.expire()
         with self._lock:
             host, disk = self._tiers
             states = [e.state for e in self._entries.values()]
@@ -590,12 +291,9 @@ class BlockIndex:
                         o.state is State.GONE or (o.tier, o.slot) == (t, s)
                         or (t == DISK and (s == o.clean_slot or o.state is State.SPILLING))
                     ), f"{TIER_NAMES[t]} slot {s} is owned by an entry that does not use it ({o.state}, {TIER_NAMES[o.tier]} slot {o.slot})"
-            stand_ins = 0
             host, disk = self._tiers
             for key, e in self._entries.items():
-                assert e.index_key is key and e.state is not State.GONE
-                assert key is e.key or (type(key) is _StandIn and key.key is e.key and not _native(e.key))
-                stand_ins += type(key) is _StandIn
+                assert key is e.key and e.state is not State.GONE
                 if e.state is State.PENDING:
                     assert key not in self._tiers[e.tier].lru
                 else:
@@ -605,7 +303,6 @@ class BlockIndex:
                     assert disk.owner[e.clean_slot] is e and self._clean.get(key) is e
                 else:
                     assert key not in self._clean
-            assert stand_ins == self._stand_ins, (stand_ins, self._stand_ins)
             for key, e in self._clean.items():
                 assert self._entries.get(key) is e and e.clean_slot >= 0
             # Each promoting load's host slot is taken (not free), read by the load and owned by nobody yet.
@@ -641,41 +338,24 @@ class BlockIndex:
         """
         keys = list(keys)
         r = Reservation([], [], []) if into is None else into
-        self._expire_holds()  # expired holds make room first
-        if _all_native(keys):
-            with self._lock:
-                if not self._stand_ins:  # the common case: each key found by its own lookup
-                    return self._reserve(keys, keys, None, r, staged_in_host)
-        return self._under_lock(keys, lambda items, found: self._reserve(keys, items, found, r, staged_in_host), unique=True)
+        if self.holds.next_expiry <= time.monotonic():  # expired holds make room first (a look: no call while none)
+            self.holds.expire()
+        with self._lock:
+            return self._reserve(keys, r, staged_in_host)
 
-    def _reserve(
-        self, keys: list[Hashable], items: list[Hashable], found: list[Entry | None] | None, into: Reservation,
-        staged_in_host: bool = True,
-    ) -> Reservation:
-        """:meth:`reserve`, under the lock: ``found`` the entry of each key (None: every key is native and
-        its own index key, and the index holds no stand-in); fills ``into``."""
+    def _reserve(self, keys: list[Hashable], into: Reservation, staged_in_host: bool) -> Reservation:
+        """:meth:`reserve`, under the lock; fills ``into``."""
         new_keys: list[Hashable] = []
-        index_keys = new_keys
         skipped: list[Hashable] = []
         seen: set[Hashable] = set()
-        if found is None:
-            present = self._entries
-            for key in keys:
-                if key in present or key in seen:
-                    skipped.append(key)
-                else:
-                    seen.add(key)
-                    new_keys.append(key)
-        else:
-            index_keys = []
-            for key, item, e in zip(keys, items, found):
-                if e is not None or item in seen:
-                    skipped.append(key)
-                else:
-                    seen.add(item)
-                    new_keys.append(key)
-                    index_keys.append(item)
-        t = self.store_tier
+        present = self._entries
+        for key in keys:
+            if key in present or key in seen:
+                skipped.append(key)
+            else:
+                seen.add(key)
+                new_keys.append(key)
+        t = HOST if self._tiers[HOST].size else DISK  # store_tier, without a call
         tier = self._tiers[t]
         disk = self._tiers[DISK]
         n = len(new_keys)
@@ -703,17 +383,16 @@ class BlockIndex:
         evicted: list[Evicted] | None = [] if self.report_evictions else None
         self._evicted = evicted
         try:
-            self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
+            if taken_back:
+                self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
             for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
                 if v.clean_slot >= 0:
                     self._demote(v)
             if direct > len(disk.free):  # room on disk for the first blocks (the look above made sure of it)
                 made = self._make_disk_room(direct - len(disk.free), changed)
                 assert made
-            if found is not None:  # a key with methods of its own goes under a stand-in
-                index_keys = [_StandIn(ik.key, ik.hash) if type(ik) is _Probe else ik for ik in index_keys]
             pending = State.PENDING  # an enum member costs a descriptor call per use: once here
-            entries = [Entry(key, ik, pending, t, -1) for key, ik in zip(new_keys, index_keys)]
+            entries = [Entry(key, pending, t, -1) for key in new_keys]
             for e in entries[:direct]:
                 e.tier = DISK
             disk.take_in_order(entries[:direct])
@@ -738,16 +417,14 @@ class BlockIndex:
                 v.state = State.SPILLING
                 e.slot = v.slot  # owned by the victim until its bytes are on disk
                 spills.append(Spill(v, e, v.slot, disk_slot))
-            self._entries.update(zip(index_keys, entries))
-            if found is not None:
-                self._stand_ins += sum(type(ik) is _StandIn for ik in index_keys)
+            self._entries.update(zip(new_keys, entries))
             to_disk = len(entries) if t == DISK else direct
             into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
             if evicted:
                 into.evicted = evicted
             return into
         except BaseException:
-            self._undo_reserve(victims + changed, entries)
+            self._repair.undo_reservation(victims + changed, entries)
             raise
         finally:
             self._evicted = None
@@ -781,63 +458,6 @@ class BlockIndex:
             if not room[HOST][1] + room[HOST][2]:
                 note = " (blocks bound for disk go through host slots: a store needs at least one)"
         return CapacityError(f"{msg}; the rest are in use by running transfers or held by leases{note}", requested=n, capacity=capacity)
-
-    def _undo_reserve(self, changed: list[Entry], entries: list[Entry]) -> None:
-        """Under the lock, after an exception cut :meth:`_reserve` short: the new entries go, every victim
-        whose spill was planned stays where it was, and every entry changed is made whole as its fields
-        say (an eviction, a return to a clean copy or a clean copy's drop that was cut short completes);
-        then the free lists are rebuilt from slot ownership (the one truth here). What completed stays done."""
-        for e in entries:
-            e.state = State.GONE
-            self._unlist(e)
-            self._disown(e)
-        for v in changed:
-            if v.state is State.SPILLING:  # its spill never started: the disk slot taken for it goes
-                v.state = State.READY
-            self._reconcile(v)
-        for tier in self._tiers:
-            tier.free = [s for s in range(tier.size - 1, -1, -1) if tier.owner[s] is None and not tier.readers[s]]
-
-    def _reconcile(self, e: Entry) -> None:
-        """Under the lock, after an interrupt: ``e``'s places in the index's dicts and the slots it owns made
-        to match its state, tier, slot and clean copy (a GONE entry: out of the dicts, owning nothing)."""
-        key = e.index_key
-        if e.state is State.GONE:
-            self._unlist(e)
-            self._disown(e)
-            return
-        for t, tier in enumerate(self._tiers):
-            listed = tier.lru.get(key) is e
-            if listed and (t != e.tier or e.state is State.PENDING):
-                del tier.lru[key]
-            elif not listed and t == e.tier and e.state is not State.PENDING:
-                tier.lru[key] = e
-        if (self._clean.get(key) is e) != (e.clean_slot >= 0):
-            if e.clean_slot >= 0:
-                self._clean[key] = e
-            else:
-                del self._clean[key]
-        keep = {(e.tier, e.slot), (DISK, e.clean_slot)}
-        for t, tier in enumerate(self._tiers):
-            for s, owner in enumerate(tier.owner):
-                if owner is e and (t, s) not in keep:
-                    tier.owner[s] = None
-
-    def _unlist(self, e: Entry) -> None:
-        """Take a GONE entry out of the index's dicts, wherever :meth:`_forget` left it (idempotent)."""
-        if self._entries.get(e.index_key) is e:
-            del self._entries[e.index_key]
-            self._stand_ins -= type(e.index_key) is _StandIn
-        for lru in (self._tiers[HOST].lru, self._tiers[DISK].lru, self._clean):
-            if lru.get(e.index_key) is e:
-                del lru[e.index_key]
-
-    def _disown(self, e: Entry) -> None:
-        """Every slot ``e`` owns is owned by nobody. Rare paths only: scans."""
-        for tier in self._tiers:
-            for s, owner in enumerate(tier.owner):
-                if owner is e:
-                    tier.owner[s] = None
 
     def _evictable(self, t: int, n: int) -> list[Entry]:
         out: list[Entry] = []
@@ -892,16 +512,16 @@ class BlockIndex:
         there), its host slot released; nothing is written, nothing counted as spilled or evicted."""
         host_slot = e.slot
         e.tier, e.slot, e.clean_slot = DISK, e.clean_slot, -1  # one step: no call between
-        del self._clean[e.index_key]
-        del self._tiers[HOST].lru[e.index_key]
-        self._tiers[DISK].lru[e.index_key] = e
+        del self._clean[e.key]
+        del self._tiers[HOST].lru[e.key]
+        self._tiers[DISK].lru[e.key] = e
         self._release(HOST, host_slot, e)
 
     def _drop_clean_copy(self, e: Entry) -> None:
         """A host entry lets go of its clean disk copy: the disk slot is released; the entry stays as it is."""
         disk_slot = e.clean_slot
         e.clean_slot = -1
-        del self._clean[e.index_key]
+        del self._clean[e.key]
         self._release(DISK, disk_slot, e)
 
     def _evict(self, e: Entry) -> None:
@@ -924,9 +544,9 @@ class BlockIndex:
             v, host, disk = spill.victim, self._tiers[HOST], self._tiers[DISK]
             if v.state is State.SPILLING:
                 self.spilled += 1  # a victim discarded meanwhile was not moved: not counted
-                host.lru.pop(v.index_key)
+                host.lru.pop(v.key)
                 v.state, v.tier, v.slot = State.READY, DISK, spill.disk_slot
-                disk.lru[v.index_key] = v
+                disk.lru[v.key] = v
             else:  # discarded while its bytes were written: the disk copy is not needed
                 self._release(DISK, spill.disk_slot, v)
             assert host.owner[spill.host_slot] is v
@@ -959,7 +579,7 @@ class BlockIndex:
             for e in entries:
                 if e.state is State.PENDING:
                     e.state = State.READY
-                    self._tiers[e.tier].lru[e.index_key] = e
+                    self._tiers[e.tier].lru[e.key] = e
                 else:  # discarded while its store ran
                     self._release(e.tier, e.slot, e)
 
@@ -995,20 +615,22 @@ class BlockIndex:
         """
         keys = list(keys)
         out: list[Pin] = [] if into is None else into
-        self._expire_holds()
-        pins, missing = self._under_lock(keys, lambda items, found: self._pin(keys, found, out, taking, self._promote))
+        if self.holds.next_expiry <= time.monotonic():
+            self.holds.expire()
+        with self._lock:
+            pins, missing = self._pin(keys, [self._entries.get(k) for k in keys], out, taking, self._promote)
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
         return pins
 
     def _pin(
-        self, keys: list[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
+        self, keys: Sequence[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
         promote: bool = False,
     ) -> tuple[list[Pin], list[Hashable]]:
         """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
         visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`)."""
         held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
-        visible = _VISIBLE
+        visible = VISIBLE
         missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
         if missing:
             return pins, missing
@@ -1033,7 +655,7 @@ class BlockIndex:
                     tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
                     e.loads += 1
                     p.held = True
-                    tier.lru.move_to_end(e.index_key)
+                    tier.lru.move_to_end(e.key)
                 e = p.entry
                 if promote and host_free and p.tier == DISK and e.tier == DISK and e.state is ready:
                     slot = host_free[-1]
@@ -1096,69 +718,39 @@ class BlockIndex:
                 if slot < 0 or p.promoted or not (e.state is State.READY and e.tier == DISK and e.slot == p.slot):
                     continue
                 assert host.owner[slot] is None and host.readers[slot]
-                del disk.lru[e.index_key]
+                del disk.lru[e.key]
                 host.owner[slot] = e
                 e.tier, e.slot, e.clean_slot = HOST, slot, p.slot
                 p.promoted = True
                 self._promoting -= 1
                 self.promoted += 1
-                host.lru[e.index_key] = e
-                self._clean[e.index_key] = e
+                host.lru[e.key] = e
+                self._clean[e.key] = e
 
     def hold(self, keys: Iterable[Hashable], into: list[Pin], hold_s: float) -> int:
         """Pin the current copy of each leading visible key (a lease; each becomes most recently used)
         until :meth:`unpin` or, at the latest, the first call on the index ``hold_s`` seconds from now
-        (``inf``: until :meth:`unpin`).
+        (``inf``: until :meth:`unpin`; :attr:`holds` keeps the deadline).
 
         Returns how many keys lead (what :meth:`lookup` returns). The pins are appended to ``into`` as
         they are taken, as :meth:`pin` does; :meth:`pin` takes them over for a load (``taking``).
         """
         keys = list(keys)
-        self._expire_holds()
-        return self._under_lock(keys, lambda items, found: self._hold(found, into, time.monotonic() + hold_s), up_to_invisible=True)
-
-    def _hold(self, found: list[Entry | None], pins: list[Pin], deadline: float) -> int:
-        """:meth:`hold`, under the lock."""
-        n = 0
-        for e in found:
-            if e is None or e.state not in _VISIBLE:
-                break
-            n += 1
-        if not n:
-            return 0
-        if deadline < float("inf"):  # an infinite hold has nothing to expire: unpin (its lease's release or collection) ends it
-            self._holds_taken += 1
-            heapq.heappush(self._holds, (deadline, self._holds_taken, pins))  # first: an interrupt below leaves
-            self._next_expiry = self._holds[0][0]  # a hold that expires, never one held for good
-        self._pin([e.key for e in found[:n] if e is not None], found[:n], pins)  # a lease never promotes
-        return n
-
-    def _expire_holds(self) -> None:
-        """Give back the holds whose deadline has passed (cheap while none has)."""
-        now = time.monotonic()
-        if self._next_expiry > now:
-            return
-        holds, later = self._holds, self._released_later
+        if self.holds.next_expiry <= time.monotonic():
+            self.holds.expire()
+        deadline = time.monotonic() + hold_s
         with self._lock:
-            while holds and holds[0][0] <= now:
-                later.append(holds[0][2])  # first: an interrupt between these two leaves it in both, never in neither
-                heapq.heappop(holds)
-            due = later[:]
-        # Unpinning is idempotent: until the step below, an interrupt anywhere leaves the due pins listed (and
-        # _next_expiry passed) for the next call to give back.
-        self.unpin(chain.from_iterable(due))
-        with self._lock:
-            done = {id(pins) for pins in due}
-            for i in range(len(later) - 1, -1, -1):  # by position: release_later() appends meanwhile, lock-free
-                if id(later[i]) in done:
-                    del later[i]
-            self._next_expiry = float("-inf") if later else holds[0][0] if holds else float("inf")
-
-    def release_later(self, pins: list[Pin]) -> None:
-        """Give ``pins`` back at the start of the next call on the index. Takes no lock: safe in a
-        garbage collector's finalizer, which may run while this very thread holds the index's lock."""
-        self._next_expiry = float("-inf")  # first: no thread switch comes between these two
-        self._released_later.append(pins)
+            found: list[Entry | None] = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or e.state not in VISIBLE:
+                    break
+                found.append(e)
+            if not found:
+                return 0
+            self.holds.add(deadline, into)  # first: an interrupt below leaves a hold that expires
+            self._pin([e.key for e in found if e is not None], found, into)  # a lease never promotes
+            return len(found)
 
     def unpin(self, pins: Iterable[Pin]) -> None:
         """Release pins taken by :meth:`pin` or :meth:`hold` (those still held: each goes back once), and
@@ -1192,7 +784,7 @@ class BlockIndex:
                             self._last_reader_gone(HOST, slot, ready)
             except BaseException as e:
                 interrupted = e
-                self._repair_after_interrupt(ready)
+                self._repair.after_unpin(ready)
         for callback in ready:
             callback()
         if interrupted is not None:
@@ -1207,15 +799,6 @@ class BlockIndex:
             ready += waiting  # these two in one step
             del self._unread_waiters[slot]
 
-    def _repair_after_interrupt(self, ready: list[Callable[[], object]]) -> None:
-        """Under the lock, after an interrupt cut :meth:`unpin` short: the free lists are rebuilt from
-        slot ownership and readers, and heirs waiting for a host slot nobody reads are added to ``ready``."""
-        for tier in self._tiers:
-            tier.free = [s for s in range(tier.size - 1, -1, -1) if tier.owner[s] is None and not tier.readers[s]]
-        host = self._tiers[HOST]
-        for slot in [s for s in self._unread_waiters if not host.readers[s]]:
-            ready += self._unread_waiters.pop(slot)
-
     # -- persistence ----------------------------------------------------------------
 
     def restore(self, entries: Sequence[tuple[Hashable, int]]) -> None:
@@ -1225,11 +808,11 @@ class BlockIndex:
             disk = self._tiers[DISK]
             assert not self._entries, "restore() comes before any store"
             for key, slot in entries:
-                e = Entry(key, key, State.READY, DISK, slot)
+                e = Entry(key, State.READY, DISK, slot)
                 disk.owner[slot] = e
                 self._entries[key] = e
                 disk.lru[key] = e
-            disk.free = [s for s in range(disk.size - 1, -1, -1) if disk.owner[s] is None]
+            disk.rebuild_free_list()
 
     def ready_keys(self) -> list[Hashable]:
         """The keys of every ready entry, least recently used first: the disk tier's, then the host
@@ -1293,11 +876,11 @@ class BlockIndex:
                         older += 1
                 slot = disk.take(e)  # the slot just freed, if one was: unread, it went back to the pool at once
                 e.clean_slot = slot
-                self._clean[e.index_key] = e
+                self._clean[e.key] = e
                 out.append((e, e.slot, slot))
             out.reverse()  # listed oldest first, as the disk's order goes
             for e, _, _ in out:
-                self._clean.move_to_end(e.index_key)
+                self._clean.move_to_end(e.key)
             return out
 
     # -- removal --------------------------------------------------------------------
@@ -1309,11 +892,12 @@ class BlockIndex:
         (freed when no load reads them); a PENDING or SPILLING entry's slots are
         released when its store ends.
         """
-        # an unhashable key raises TypeError in _KeyBatch, before anything is forgotten
-        return self._under_lock(list(keys), lambda items, found: self._discard(found))
+        keys = list(keys)
+        with self._lock:
+            return self._discard([self._entries.get(k) for k in keys])
 
     def _discard(self, found: list[Entry | None]) -> int:
-        """:meth:`discard`, under the lock."""
+        """:meth:`discard`, under the lock: ``found`` the entry of each key (None: absent)."""
         n = 0
         gone, ready = State.GONE, State.READY  # an enum member costs a descriptor call per use: once here
         forgotten: list[Entry] = []
@@ -1332,7 +916,7 @@ class BlockIndex:
         except BaseException:  # an interrupt: the READY entries forgotten so far give their slots back
             for e in forgotten:
                 if e.state is gone:
-                    self._unlist(e)
+                    self._repair.unlist(e)
                     self._release(e.tier, e.slot, e)
                     if e.clean_slot >= 0:
                         self._release(DISK, e.clean_slot, e)
@@ -1343,11 +927,10 @@ class BlockIndex:
         """Take ``e`` out of the index: -> GONE (first, so that an interrupt between these steps leaves an
         entry that is GONE, never one that looks alive without being in the index)."""
         e.state = State.GONE
-        del self._entries[e.index_key]
-        self._stand_ins -= e.index_key.__class__ is _StandIn  # no call between these two: one step
-        self._tiers[e.tier].lru.pop(e.index_key, None)
+        del self._entries[e.key]
+        self._tiers[e.tier].lru.pop(e.key, None)
         if e.clean_slot >= 0:
-            self._clean.pop(e.index_key, None)
+            self._clean.pop(e.key, None)
 
     def _release(self, t: int, slot: int, owner: Entry | None) -> None:
         """``owner`` lets go of ``slot`` (None: a reader let go); the slot is free once unowned and unread.

@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 
 from ..base.diskfile import DiskIoCounts
 from .index import IndexCounts
-from ..workers.transfer import TransferControl, TransferResult
+from ..workers.transfer import TransferResult
 
 __all__ = ["OffloaderStats", "LatencyHistogram", "PersistentCounts", "TierCounts", "TransferCounters", "LATENCY_BOUNDS"]
 
@@ -203,13 +203,6 @@ class TransferCounters:
             self.in_flight += 1
             plan.counted = True
 
-    def ended_at_once(self, result: TransferResult, control: TransferControl) -> None:
-        """Count a transfer that had nothing to copy (every key skipped, or no key), never in flight,
-        and end its transfer done with ``result``."""
-        now = time.perf_counter()
-        self.ended(result.kind, result, False, False, started=now, taken=now, now=now, counted=False)
-        control.finish(result)
-
     def looked_up(self, hits: int) -> None:
         with self.lock:
             self.lookups += 1
@@ -242,9 +235,10 @@ class TransferCounters:
             phases = self._latency.get((kind, outcome))
             if phases is None:
                 phases = self._latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
-            phases[0].observe(max(taken - started, 0.0))
-            phases[1].observe(max(now - taken, 0.0))
-            phases[2].observe(max(now - started, 0.0))
+            for h, seconds in zip(phases, (max(taken - started, 0.0), max(now - taken, 0.0), max(now - started, 0.0))):
+                h.counts[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1  # observed here: no call per phase
+                h.sum += seconds
+                h.count += 1
 
     def latency(self) -> dict[tuple[str, str, str], LatencyHistogram]:
         """Snapshots of every histogram observed so far; call with :attr:`lock` held."""

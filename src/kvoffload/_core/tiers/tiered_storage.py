@@ -32,11 +32,11 @@ from ..base.deadline import Deadline
 from ..base.diskfile import DiskIoCounts, IoBatch, IoCalls
 from .hostmem import HostBuffer
 from .index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..workers.copy_submission import CopyRequest, HandOver, SubmittedCopies
-from ..workers.copy_worker import CopyWorker, CopyWorkers
-from ..workers.host_copy_jobs import HostCopyJob
+from ..workers.copy_submission import CopyRequest
+from ..workers.copy_worker import CopyWorker, CopyWorkers, Run
+from ..workers.job import Job
 from ..base.layout import BlockLayout
-from ..workers.transfer import Transfer, TransferControl, TransferResult
+from ..workers.transfer import Transfer, TransferResult
 from .stats import PersistentCounts, TierCounts, TransferCounters
 from ..base.cross_thread import resolve_from_any_thread
 from ..base.errors import MissingKeysError
@@ -49,28 +49,23 @@ log = logging.getLogger("kvoffload")
 __all__ = ["TieredStorage", "StorePlan", "LoadPlan"]
 
 
-class StorePlan:
-    """A store's reservation and source blocks; publishes its entries as their copies land.
+class StorePlan(Job):
+    """A store's job: its reservation and source blocks; publishes its entries as their copies land."""
 
-    Implements :class:`JobSteps`: the worker calls :meth:`landed`, :meth:`result` and :meth:`cleanup`.
-    """
+    __slots__ = ("index", "metrics", "reservation", "block_ids", "block_bytes", "chunk_blocks", "published", "finished", "counted", "on_stored")
 
-    __slots__ = (
-        "index", "metrics", "reservation", "block_ids", "block_bytes", "chunk_blocks", "started", "taken", "published", "finished",
-        "counted", "on_stored",
-    )
-    reports_landings = True
-
-    def __init__(self, index: BlockIndex, metrics: TransferCounters, block_bytes: int, chunk_blocks: int) -> None:
+    def __init__(
+        self, index: BlockIndex, metrics: TransferCounters, block_bytes: int, chunk_blocks: int, tensor_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__("store", tensor_names)
+        self.reports_landings = True
         self.index = index
         self.metrics = metrics
-        self.taken: float | None = None
         self.reservation = Reservation([], [], [])
         """Filled by :meth:`BlockIndex.reserve` in one step with the index's changes."""
         self.block_ids: list[int] = []
         self.block_bytes = block_bytes
         self.chunk_blocks = chunk_blocks
-        self.started = time.perf_counter()
         self.published = 0
         self.finished = False
         self.counted = False
@@ -88,20 +83,21 @@ class StorePlan:
         self.publish(min(self.chunk_blocks, len(self.block_ids) - i * self.chunk_blocks))
 
     def result(self) -> TransferResult:
-        keys = tuple(e.key for e in self.reservation.entries)
+        keys = tuple([e.key for e in self.reservation.entries])
         return TransferResult("store", keys, tuple(self.reservation.skipped), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
-    def ended(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+    def count_end(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
         """Count the store's end (keys it published before failing or being cancelled included), if it
-        was counted started: a store refused at the call (``CapacityError``) or cut short before, never ran."""
+        was counted started (a store refused at the call, ``CapacityError``, or cut short before, never
+        ran) or had nothing to copy (done at the call, never in flight)."""
         if result is not None and self.on_stored is not None:
             self.on_stored(result.keys)
-        if not self.counted:
+        if not self.counted and result is None:
             return
         partial = 0 if result is not None else self.published * self.block_bytes
         self.metrics.ended(
             "store", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
-            partial_bytes=partial,
+            partial_bytes=partial, counted=self.counted,
         )
 
     def cleanup(self) -> None:
@@ -116,46 +112,44 @@ class StorePlan:
             self.index.abort(self.reservation.entries[self.published :])
 
 
-class LoadPlan:
-    """A load's pinned copies and destination blocks; unpins them when it ends. Implements :class:`JobSteps`."""
+class LoadPlan(Job):
+    """A load's job: its pinned copies and destination blocks; unpins them when it ends."""
 
-    __slots__ = (
-        "index", "metrics", "pins", "block_ids", "block_bytes", "started", "taken", "released", "reports_landings", "on_tensor",
-        "counted",
-    )
+    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "released", "per_tensor", "counted")
 
-    def __init__(self, index: BlockIndex, metrics: TransferCounters, block_ids: list[int], block_bytes: int) -> None:
+    def __init__(
+        self, index: BlockIndex, metrics: TransferCounters, block_ids: list[int], block_bytes: int, tensor_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__("load", tensor_names)
         self.index = index
         self.metrics = metrics
-        self.taken: float | None = None
-        self.reports_landings = False
-        self.on_tensor: Callable[[int], None] | None = None
-        """Per-tensor loads: told as each tensor (copy ``i``) lands."""
+        self.per_tensor = False
+        """Per-tensor loads: copy ``i`` is tensor ``i``, reported as it lands."""
         self.pins: list[Pin] = []
         """Filled by :meth:`BlockIndex.pin` pin by pin."""
         self.block_ids = block_ids
         self.block_bytes = block_bytes
-        self.started = time.perf_counter()
         self.released = False
         self.counted = False
         """True once ``metrics`` counts the load in flight (:meth:`TransferCounters.started`)."""
 
     def landed(self, i: int) -> None:
-        if self.on_tensor is not None:
-            self.on_tensor(i)
+        if self.per_tensor:
+            self.transfer._tensor_landed(i)
 
     def result(self) -> TransferResult:
-        keys = tuple(p.entry.key for p in self.pins)
+        keys = tuple([p.entry.key for p in self.pins])
         return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
-    def ended(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
-        """Count the load's end, with how many of its keys came from disk, if it was counted started."""
-        if not self.counted:
+    def count_end(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+        """Count the load's end, with how many of its keys came from disk, if it was counted started or
+        had nothing to copy (as a store's)."""
+        if not self.counted and result is None:
             return
-        from_disk = sum(1 for p in self.pins if p.tier == DISK) if result is not None else 0
+        from_disk = [p.tier for p in self.pins].count(DISK) if result is not None else 0
         self.metrics.ended(
             "load", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
-            from_disk=from_disk,
+            from_disk=from_disk, counted=self.counted,
         )
 
     def cleanup(self) -> None:
@@ -174,8 +168,9 @@ class RemoteLoadPlan(LoadPlan):
 
     def __init__(
         self, index: BlockIndex, metrics: TransferCounters, blocks: dict[Hashable, int], remote_keys: list[Hashable], block_bytes: int,
+        tensor_names: tuple[str, ...],
     ) -> None:
-        super().__init__(index, metrics, [], block_bytes)
+        super().__init__(index, metrics, [], block_bytes, tensor_names)
         self.fetched = StorePlan(index, metrics, block_bytes, 1)
         """The remote keys' reservation (never counted as a store)."""
         self.keys = tuple(blocks)
@@ -275,32 +270,6 @@ class TieredStorage:
         if reservation.evicted and self.remote is not None:
             await self.remote.capture_disk([v for v in reservation.evicted if v.tier == DISK])
 
-    def _start(
-        self, worker: CopyWorker, control: TransferControl, hand_over: HandOver, plan: StorePlan | LoadPlan,
-        requests: list[CopyRequest] | None, after: Any, run: Callable[[Any], Coroutine[Any, Any, TransferResult]],
-        enqueue: Callable[[Any], SubmittedCopies] | None = None,
-    ) -> None:
-        """Start a transfer: as a host-copy job when ``requests`` (its copies between cache and host slots) are given
-        and can be enqueued now (GPU; ``enqueue(after)`` instead of the submitter's ``enqueue`` when given) or
-        made in one step (one chunk), else ``run(after)`` as a task. Whatever is enqueued now is
-        recorded in ``hand_over``. ``after`` None: after the work enqueued so far on the caller's current
-        stream (copies enqueued now wait for it in the same call; a task waits for an event recorded now)."""
-        if requests is not None and self.layout.is_cuda:
-            copies = enqueue(after) if enqueue is not None else worker.submitter.enqueue(requests, after, hand_over)
-            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=copies))
-            return
-        if after is None:
-            try:
-                after = worker.copier.caller_event()
-            except Exception as e:  # a failed device: this transfer fails, its slots and pins go back
-                hand_over.copies = SubmittedCopies([], e)
-                worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, copies=hand_over.copies))
-                return
-        if requests is not None and len(requests) == 1:
-            worker.host_jobs.start(HostCopyJob(control, hand_over, plan, plan.ended, requests=requests))
-        else:
-            worker.tasks.start(control, hand_over, lambda: run(after), plan.cleanup, plan.ended)
-
     # -- store ------------------------------------------------------------------------
 
     def store(self, blocks: dict[Hashable, int], after: Any) -> Transfer:
@@ -308,51 +277,38 @@ class TieredStorage:
 
         Raises CapacityError with nothing reserved. A store with nothing to copy (every key
         stored already) is done at once, and counted. An interrupt anywhere in here (a signal
-        handler's ``KeyboardInterrupt``) leaks nothing: see :meth:`_interrupted`."""
+        handler's ``KeyboardInterrupt``) leaks nothing: the worker's :meth:`~CopyWorker.abandon`."""
         remote = self.remote
         if remote is not None or (self.disk is not None and self.disk.persistent is not None):
             for key in blocks:
                 encode_key(key)  # TypeError / ValueError for a key a persistent or remote tier cannot keep, before anything
-        hand_over = HandOver()
-        plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks)
+        plan = StorePlan(self.index, self.metrics, self.layout.block_bytes, self.chunk_blocks, self.tensor_names)
         if remote is not None and remote.write == "through":
             plan.on_stored = remote.write_through
-        control = TransferControl("store", self.tensor_names)
+        worker = self.workers.store
         try:
-            self.index.reserve(blocks, plan.reservation)
-            self._capture_evicted_on_host(plan.reservation)
-            if not plan.reservation.entries:
-                self.metrics.ended_at_once(TransferResult("store", (), tuple(plan.reservation.skipped), 0, 0.0), control)
-                return control.transfer
-            plan.block_ids = [blocks[e.key] for e in plan.reservation.entries]
+            reservation = self.index.reserve(blocks, plan.reservation)
+            if reservation.evicted and self.remote is not None:
+                self._capture_evicted_on_host(reservation)
+            if not reservation.entries:  # done at the call: counted, never in flight
+                plan.end(TransferResult("store", (), tuple(reservation.skipped), 0, 0.0))
+                return plan.transfer
             self.metrics.started(plan)
-            self.start_store(control, hand_over, plan, after)
+            plan.block_ids = [blocks[e.key] for e in reservation.entries]
+            requests = None
+            if not reservation.to_disk and not reservation.spills:
+                assert self.host is not None
+                requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, reservation.entries)])
+            worker.start(plan, after, requests, functools.partial(self._run_store, plan))
         except BaseException:
-            self._interrupted(self.workers.store, hand_over, control, plan)
+            worker.abandon(plan)
             raise
-        return control.transfer
-
-    def _interrupted(self, worker: CopyWorker, hand_over: HandOver, control: TransferControl, plan: StorePlan | LoadPlan) -> None:
-        """An exception (a ``KeyboardInterrupt`` from a signal handler, say) cut short a store or load
-        anywhere before its worker took it: the transfer ends cancelled, what it holds (slots, pins, the
-        count in flight: the plan knows exactly what) given back once its copies are done; or, if the
-        worker took it, the worker ends it so."""
-        worker.abandon(hand_over, control, plan, plan.ended)
-
-    def start_store(self, control: TransferControl, hand_over: HandOver, plan: StorePlan, after: Any) -> None:
-        """Start copying the planned blocks in (after ``after``, else the caller's stream)."""
-        requests = None
-        if not plan.reservation.to_disk and not plan.reservation.spills:
-            assert self.host is not None
-            requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)])
-        self._start(self.workers.store, control, hand_over, plan, requests, after, functools.partial(self._run_store, plan))
+        return plan.transfer
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk: first those
         with disk slots, then those with host slots."""
-        plan.taken = time.perf_counter()
-        if after is not None:
-            self.workers.store.copier.wait_for(after)
+        self.workers.store.wait_for(after)
         await self._capture_evicted_on_disk(plan.reservation)
         if plan.reservation.spills:
             await self._spill(plan)
@@ -407,30 +363,30 @@ class TieredStorage:
         """Pin the stored copy of every key of ``blocks`` (key -> destination block id) and start copying
         them out; the running transfer. ``taking``: a lease's pins to take over, by position in
         ``blocks`` (:meth:`BlockIndex.pin`). Raises MissingKeysError with nothing pinned or taken. An
-        interrupt anywhere in here leaks nothing (:meth:`_interrupted`)."""
-        hand_over = HandOver()
-        plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes)
-        control = TransferControl("load", self.tensor_names)
+        interrupt anywhere in here leaks nothing (the worker's :meth:`~CopyWorker.abandon`)."""
+        remote_keys = self._remote_keys(blocks, taking) if blocks else []
+        plan: LoadPlan
+        if remote_keys:
+            plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes, self.tensor_names)
+        else:
+            plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes, self.tensor_names)
+        worker = self.workers.load
         try:
-            if not blocks:
-                self.metrics.ended_at_once(TransferResult("load", (), (), 0, 0.0), control)
-                return control.transfer
-            remote_keys = self._remote_keys(blocks, taking)
-            if remote_keys:
-                plan = remote_plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes)
-                self._plan_remote_load(remote_plan, blocks, taking)
+            if not blocks:  # done at the call: counted, never in flight
+                plan.end(TransferResult("load", (), (), 0, 0.0))
+                return plan.transfer
+            if isinstance(plan, RemoteLoadPlan):
+                self._plan_remote_load(plan, blocks, taking)
                 self.metrics.started(plan)
-                self._start(
-                    self.workers.load, control, hand_over, plan, None, after, functools.partial(self._run_remote_load, remote_plan),
-                )
-                return control.transfer
+                worker.start(plan, after, run=functools.partial(self._run_remote_load, plan))
+                return plan.transfer
             self.index.pin(list(blocks), plan.pins, taking)
             self.metrics.started(plan)
-            self.start_load(control, hand_over, plan, after, per_tensor, expedited)
+            worker = self.start_load(plan, after, per_tensor, expedited)
         except BaseException:
-            self._interrupted(self.workers.load, hand_over, control, plan)
+            worker.abandon(plan)
             raise
-        return control.transfer
+        return plan.transfer
 
     def _remote_keys(self, blocks: dict[Hashable, int], taking: list[Pin | None] | None) -> list[Hashable]:
         """The keys of ``blocks`` not stored here that the remote tier reported (:meth:`RemoteTier.lookup`)."""
@@ -443,7 +399,7 @@ class TieredStorage:
     def _plan_remote_load(self, plan: RemoteLoadPlan, blocks: dict[Hashable, int], taking: list[Pin | None] | None) -> None:
         """Pin the local keys of ``blocks`` (first: no reservation below evicts them), then reserve
         host slots for the remote ones, filling ``plan``. ``MissingKeysError`` / ``CapacityError``
-        with what it holds in ``plan`` (the caller's :meth:`_interrupted` gives it back)."""
+        with what it holds in ``plan`` (the caller's :meth:`~CopyWorker.abandon` gives it back)."""
         remote = set(plan.remote_keys)
         local = [k for k in blocks if k not in remote]
         plan.block_ids = [blocks[k] for k in local]
@@ -462,9 +418,7 @@ class TieredStorage:
         Every remote block is fetched and checked before any reaches the cache (the host slots' first,
         then :meth:`DiskTier.load_fetched`'s), so a failed fetch writes no cache block. Then load the
         local keys as any load."""
-        plan.taken = time.perf_counter()
-        if after is not None:
-            self.workers.load.copier.wait_for(after)
+        self.workers.load.wait_for(after)
         fetched = plan.fetched
         remote = self.remote
         assert remote is not None
@@ -489,44 +443,34 @@ class TieredStorage:
             await self._run_load(plan, None)
         return plan.result()
 
-    def start_load(
-        self, control: TransferControl, hand_over: HandOver, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False,
-    ) -> None:
-        """Start copying the pinned keys out (not before ``after``, else the caller's stream, has completed).
+    def start_load(self, plan: LoadPlan, after: Any, per_tensor: bool = False, expedited: bool = False) -> CopyWorker:
+        """Start copying the pinned keys out (not before ``after``, else the caller's stream, has
+        completed); returns the worker it runs on.
 
         ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
-        one's completion to ``transfer``; elsewhere every tensor is done with the transfer.
+        one's completion to the transfer; elsewhere every tensor is done with the transfer.
         ``expedited`` (every key in host memory): on the expedited worker, behind no other load."""
-        names = self.tensor_names
-        all_host = all(p.tier == HOST for p in plan.pins)
+        all_host = DISK not in [p.tier for p in plan.pins]
         requests = None
         if all_host:
             assert self.host is not None
             requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
-        # The expedited worker takes host-copy jobs only (its loop runs no task): copies enqueued at call
-        # time (GPU) or one chunk (CPU); anything else goes the regular way.
+        # The expedited worker takes copies at call time (GPU) or one chunk (CPU) only (its loop runs
+        # no task); anything else goes the regular way.
         host_job = requests is not None and (self.layout.is_cuda or len(requests) == 1)
-        load_worker = self.workers.expedited if expedited and host_job and self.workers.expedited is not None else self.workers.load
-        enqueue = None
+        worker = self.workers.expedited if expedited and host_job and self.workers.expedited is not None else self.workers.load
+        by_tensor = None
         if per_tensor and self.layout.is_cuda and all_host:
-            host = self.host
-            assert host is not None
-
-            def enqueue(after: Any) -> SubmittedCopies:
-                enqueued = load_worker.submitter.enqueue_by_tensor(host.rows, [p.slot for p in plan.pins], plan.block_ids, after, hand_over)
-                # tensors after a failed submission get no event: they never land, their waiters get the error
-                control.track_tensors(names, enqueued.events + [None] * (len(names) - len(enqueued.events)))
-                plan.reports_landings, plan.on_tensor = True, control.tensor_landed
-                return enqueued
-
-        self._start(load_worker, control, hand_over, plan, requests, after, functools.partial(self._run_load, plan), enqueue)
+            assert self.host is not None
+            by_tensor = (self.host.rows, [p.slot for p in plan.pins], plan.block_ids)
+            plan.per_tensor = plan.reports_landings = True
+        worker.start(plan, after, requests, functools.partial(self._run_load, plan), by_tensor)
+        return worker
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:
         """Copy host-resident keys, then disk-resident keys being promoted, then the other disk-resident
         keys into their cache blocks."""
-        plan.taken = time.perf_counter()
-        if after is not None:
-            self.workers.load.copier.wait_for(after)
+        self.workers.load.wait_for(after)
         from_host = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == HOST]
         promoting = [(p, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK and p.promote_slot >= 0]
         from_disk = [(p.slot, b) for p, b in zip(plan.pins, plan.block_ids) if p.tier == DISK and p.promote_slot < 0]
@@ -572,13 +516,13 @@ class TieredStorage:
                 reads.popleft()
                 if mine:
                     self.index.promotion_done([p for p, _ in mine])
-                    last = await worker.tasks.copy(host.request_out([(p.promote_slot, b) for p, b in mine]))
-            await worker.tasks.wait(last)
+                    last = await worker.copy(host.request_out([(p.promote_slot, b) for p, b in mine]))
+            await worker.wait(last)
         except BaseException:
             for _, batch in reads:
                 if batch is not None:
                     await batch.settle()
-            await worker.tasks.settle(last)
+            await worker.settle(last)
             raise
         return taken_back
 

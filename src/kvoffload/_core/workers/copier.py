@@ -120,6 +120,6 @@ def make_block_copier(
 
     return CudaBlockCopier(
         layout, kv_caches, chunk_bytes=options.chunk_bytes, use_batch_copy=options.use_batch_copy, gather_ctas=options.gather_ctas,
-        priority=-1 if expedited else 0, kernel_priority=-1 if expedited or options.gather_priority == "high" else 0,
+        priority=-1 if expedited else 0,
         copy_engine=options.copy_engine, loads_by_sm=expedited,
     )

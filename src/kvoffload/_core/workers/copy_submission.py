@@ -11,15 +11,18 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from .copier import BlockCopier
-from ..cuda.events import CopyEvent, wait_completed
-from ..base.foreign import ForeignCallError, call_foreign
+from ..cuda.events import CopyEvent
+from ..base.foreign import call_foreign
 
-__all__ = ["CopyCalls", "CopyRequest", "CopySubmitter", "HandOver", "SubmittedCopies"]
+if TYPE_CHECKING:
+    from .job import Job
+
+__all__ = ["CopyCalls", "CopyRequest", "CopySubmitter"]
 
 
 @dataclass(eq=False)
@@ -56,35 +59,6 @@ class CopyCalls:
     to_device: Callable[[BlockCopier, torch.Tensor, Sequence[int], Sequence[int]], CopyEvent | None] = _to_device
 
 
-@dataclass(eq=False)
-class SubmittedCopies:
-    """Copies submitted together: one completion event per request, in order (None: the copy
-    already happened), and the error that stopped the submission (the requests after it were
-    not submitted)."""
-
-    events: list[CopyEvent | None]
-    error: Exception | None
-    cancel_flag: Any = None
-    """A GPU load's :class:`~.cuda.cancel_flags.CancelFlag`: raised on cancel, its kernels skip the rest."""
-
-    def settle(self) -> None:
-        """Block until every submitted copy has completed or failed: nothing more is written (a
-        cleanup path: never raises for a failed copy, whose event counts as settled)."""
-        for event in reversed(self.events):  # in stream order: the last one covers all
-            if event is not None:
-                try:
-                    wait_completed(event)
-                except ForeignCallError:  # a failed device: nothing more will be written
-                    pass
-                return
-
-    def release(self) -> None:
-        """:meth:`settle`, then give the cancel flag back (no kernel reads it any more). Idempotent."""
-        self.settle()
-        if self.cancel_flag is not None:
-            self.cancel_flag.release()
-
-
 class CopySubmitter:
     """Submits copies to one copier (``calls`` says how: tests replace them to gate or break copies)."""
 
@@ -102,61 +76,46 @@ class CopySubmitter:
 
     # -- submission at call time (callers' threads) ------------------------------------------
 
-    def enqueue(self, requests: Sequence[CopyRequest], after: Any, hand_over: HandOver) -> SubmittedCopies:
+    def enqueue(
+        self, job: Job, requests: Sequence[CopyRequest], after: Any,
+        by_tensor: tuple[torch.Tensor, Sequence[int], Sequence[int]] | None = None,
+    ) -> None:
         """Submit every request now, in the calling thread, after ``after`` (an event, or None: the work
         enqueued so far on the calling thread's current stream).
 
         For GPU caches this only enqueues work on the copier's streams, so the
         copies run with no Python step between them, whatever the calling
         thread or the worker loop do meanwhile. Stops at the first error
-        (``SubmittedCopies.error``: it fails the transfer, as anything the copier raises does).
-        A load of several chunks gets a cancel flag (:meth:`_stop_early`).
+        (``job.error``: it fails the transfer, as anything the copier raises does).
+        A load of several chunks gets a cancel flag. ``by_tensor`` (GPU copier only): instead, a load
+        of ``(host rows, slots, block ids)`` copied tensor by tensor, one event per tensor in
+        ``kv_caches`` order.
 
-        The copies are recorded in ``hand_over`` as they are submitted. On a ``BaseException``
+        The copies are recorded in ``job.events`` as they are submitted. On a ``BaseException``
         raised around the copier's calls (a signal handler's ``KeyboardInterrupt``, say): waits until
         the copies submitted by then have completed and gives the cancel flag back, then re-raises;
         the caller may then free the slots.
         """
-        copies = hand_over.copies = SubmittedCopies([], None)
-        if self.kind == "load" and len(requests) > 1:
-            copies.cancel_flag = self.copier.take_cancel_flag()
-
-        def submit() -> None:
-            for r in requests:
-                copies.events.append(self.submit(r.to_host, r.host, r.rows, r.block_ids))
-
-        self._enqueue(copies, after, submit)
-        return copies
-
-    def enqueue_by_tensor(
-        self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int], after: Any, hand_over: HandOver,
-    ) -> SubmittedCopies:
-        """Like :meth:`enqueue` (``BaseException`` included) for a load with per-tensor completion (GPU
-        copier only): one event per tensor, in ``kv_caches`` order."""
-        copies = hand_over.copies = SubmittedCopies([], None)
-        copies.cancel_flag = self.copier.take_cancel_flag()
-
-        def submit() -> None:
-            copies.events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, host, rows, block_ids))  # type: ignore[attr-defined]
-
-        self._enqueue(copies, after, submit)
-        return copies
-
-    def _enqueue(self, copies: SubmittedCopies, after: Any, submit: Callable[[], None]) -> None:
-        """Run ``submit`` under the submit lock, after ``after``, its kernels reading ``copies``'s cancel
-        flag; what it raised becomes ``copies.error``, but a ``BaseException``, which propagates once
-        what was submitted has completed and the flag is back."""
-        flag = copies.cancel_flag
+        events: list[CopyEvent | None] = []
+        job.events = events
+        flag = job.cancel_flag = self.copier.take_cancel_flag() if self.kind == "load" and (len(requests) > 1 or by_tensor) else None
+        calls = self.calls
         try:
             with self._lock:
                 try:
                     self.copier.wait_for(after)  # None: the caller's current stream (this is the caller's thread)
                     with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
-                        submit()
+                        if by_tensor is not None:
+                            events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, *by_tensor))  # type: ignore[attr-defined]
+                        for r in requests if by_tensor is None else ():
+                            if r.to_host:
+                                events.append(call_foreign("copy to host", calls.to_host, self.copier, r.block_ids, r.host, r.rows))
+                            else:
+                                events.append(call_foreign("copy to device", calls.to_device, self.copier, r.host, r.rows, r.block_ids))
                 except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
-                    copies.error = e
+                    job.error = e
         except BaseException:
-            copies.release()
+            job.settle()
             raise
 
     def submit_runs(self, requests: Sequence[CopyRequest]) -> Iterator[tuple[int, int, Any, Exception | None]]:
@@ -183,33 +142,3 @@ class CopySubmitter:
             else:
                 yield i, j, event, None
             i = j
-
-
-_HAND_OVER_LOCK = threading.Lock()
-
-
-class HandOver:
-    """A transfer's way to its worker, which an interrupt (a signal handler's ``KeyboardInterrupt``)
-    may cut short anywhere. Made by the caller before it reserves anything; who owns the transfer is
-    decided once: the worker, when it :meth:`take` s it, or the interrupted caller, when it
-    :meth:`withdraw` s it (then :meth:`~.copy_worker.CopyWorker.abandon` ends it). Copies copies at call time are
-    recorded here (:attr:`copies`) as they are submitted, so that the owner can wait for them."""
-
-    __slots__ = ("taken", "withdrawn", "copies")
-
-    def __init__(self) -> None:
-        self.taken = False
-        self.withdrawn = False
-        self.copies: SubmittedCopies | None = None
-
-    def take(self) -> bool:
-        """(The worker.) True: the transfer is the worker's; False: it was withdrawn."""
-        with _HAND_OVER_LOCK:
-            self.taken = not self.withdrawn
-            return self.taken
-
-    def withdraw(self) -> bool:
-        """(The interrupted caller.) True: the transfer is back; False: the worker has it."""
-        with _HAND_OVER_LOCK:
-            self.withdrawn = not self.taken
-            return self.withdrawn

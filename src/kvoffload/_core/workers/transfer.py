@@ -7,9 +7,9 @@ or a callback. How a task sleeps until the transfer ends depends on the library 
 runs it: ``base/async_backends.py`` owns that (on asyncio, at most one cross-thread wake-up
 per waiting loop, shared with every other transfer that ends before that loop runs).
 
-The handle is all a caller sees. The workers hold its :class:`TransferControl`: the one
-place that ends the transfer, installs how to cancel it or end it in a waiting thread, and
-reports per-tensor landings.
+The handle is all a caller sees. The workers hold its :class:`~.job.Job`, the transfer's one
+record, which ends it (:meth:`Transfer._end`, the one place a transfer ends) and reports per-tensor
+landings.
 
 A ``Transfer`` is not an ``asyncio.Future``, but it has what asyncio's combinators
 use: ``asyncio.wait`` registers done callbacks (run on the registering loop, as a
@@ -34,7 +34,7 @@ from ..base.cross_thread import mailbox_of
 from ..base.errors import ClosedError, TransferCancelled
 from ..base.helper_threads import process_generation
 
-__all__ = ["Transfer", "TransferControl", "TransferResult"]
+__all__ = ["Transfer", "TransferResult"]
 
 log = logging.getLogger("kvoffload")
 
@@ -80,11 +80,11 @@ class Transfer:
     """
 
     __slots__ = (
-        "kind", "_lock", "_state", "_result", "_exc", "_exc_tb", "_finished", "_callbacks", "_cancel_requested", "_canceller",
-        "_tensors", "_tensor_names", "_finisher", "_follow_closely", "_generation",
+        "kind", "_lock", "_state", "_result", "_exc", "_exc_tb", "_finished", "_callbacks", "_cancel_requested", "_job",
+        "_tensors", "_tensor_names", "_generation",
     )
 
-    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
+    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = (), job: Any = None) -> None:
         self.kind = kind
         self._lock = threading.Lock()
         self._state = _PENDING
@@ -96,11 +96,8 @@ class Transfer:
         self._finished: threading.Event | None = None  # made when a thread first blocks on the transfer
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
-        self._canceller: Callable[[], Any] | None = None
-        self._finisher: Callable[[bool], bool] | None = None
-        """Ends the transfer in the calling thread if its copies have completed (True if it did so)."""
-        self._follow_closely: Callable[[], Any] | None = None
-        """Tells the worker that somebody now waits for the transfer."""
+        self._job = job
+        """The workers' record of it (:class:`~.job.Job`; None once it ended)."""
         self._tensors: dict[str, _TensorCopy] | None = None
         """Loads with per-tensor completion: each tensor's copy event and waiters."""
         self._tensor_names: tuple[str, ...] = tuple(tensor_names)
@@ -136,9 +133,9 @@ class Transfer:
             if self._state != _PENDING:
                 return False
             self._cancel_requested = True
-            canceller = self._canceller
-        if canceller is not None:
-            canceller()
+            job = self._job
+        if job is not None:
+            job.cancel()
         return True
 
     def result(self, timeout: float | None = None) -> TransferResult:
@@ -148,7 +145,7 @@ class Transfer:
         :class:`TransferCancelled` if it was cancelled, or the transfer's error (each time with the
         traceback of where it was raised); :class:`ClosedError` in a child forked while it ran.
         Do not call this on a running event loop: await the transfer instead. The thread sleeps
-        with the GIL released (how a GPU transfer is waited for: docs/design.md).
+        with the GIL released until the transfer ends.
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
@@ -165,15 +162,17 @@ class Transfer:
 
     def _block(self, timeout: float | None) -> bool:
         self._check_process()
-        if self._finish_if_landed(wait=timeout is None):
+        if self._finish_if_landed():
             return True
+        job = self._job
+        if job is not None and timeout is None:  # copies at call time: the driver rings this thread, which ends it
+            job.sleep_until_landed(timeout)
         with self._lock:
             if self._state != _PENDING:
                 return True
             if self._finished is None:
                 self._finished = threading.Event()
             finished = self._finished
-        self._waiting()
         return finished.wait(timeout)
 
     def add_done_callback(
@@ -188,12 +187,10 @@ class Transfer:
         not depend on the caller's loop), it runs on the thread that ends the transfer (its
         worker, or a thread that awaits it, waits in :meth:`result` or asks :meth:`done` once
         its copies landed), or at once if it has ended; keep it short and thread-safe, and never
-        let it wait for another transfer (``result()``): on the worker's thread, a wait for a
+        let it wait for another transfer (``result()``): on a worker's thread, a wait for a
         transfer of the same worker never ends. To wait there, register from an event loop, or
         hand the wait to a thread of your own. Whatever it raises, ``SystemExit`` and
-        ``KeyboardInterrupt`` included, is logged and ignored. Registering counts as waiting
-        (``asyncio.wait`` and ``as_completed`` wait this way): a GPU transfer's worker then
-        follows its copies closely, except with ``on_ending_thread``, which only observes.
+        ``KeyboardInterrupt`` included, is logged and ignored.
         :class:`ClosedError` in a child forked while the transfer ran (it never ends there).
         """
         self._check_process()
@@ -204,8 +201,6 @@ class Transfer:
                 self._callbacks.append(cb)
         if not pending:
             self._dispatch(cb)
-        elif not on_ending_thread:
-            self._waiting()
 
     def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
         """Remove every registration of ``fn``; returns how many there were."""
@@ -216,7 +211,11 @@ class Transfer:
         return removed
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        return self._wait().__await__()
+        if self._state == _PENDING:
+            job = self._job  # _finish_if_landed, inlined: the hot path of every await
+            if job is None or self._generation != process_generation() or not job.end_if_landed():
+                return (yield from self._wait().__await__())
+        return self._outcome()
 
     # -- per-tensor completion (loads) ------------------------------------------
 
@@ -244,7 +243,6 @@ class Transfer:
                 if pending:
                     state.waiters.append(woken.wake)
         if pending:
-            self._waiting()
             await woken.wait()
         if state is not None and state.done:
             return
@@ -276,12 +274,10 @@ class Transfer:
     # -- waiting from an event loop ---------------------------------------------
 
     async def _wait(self) -> TransferResult:
-        if self._state != _PENDING or self._finish_if_landed():
-            return self._outcome()
+        """Sleep until the transfer ends (it had not when looked at), then its outcome."""
         self._check_process()
         woken = wakeup()
         if self._on_end_registered(woken.wake):
-            self._waiting()
             # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
             # until nothing more is written.
             cancellation = await woken.wait_through_cancel(self.cancel)
@@ -309,12 +305,11 @@ class Transfer:
         assert self._exc is not None
         raise self._exc.with_traceback(self._exc_tb)  # from where it was raised, not from every raise since
 
-    def _finish_if_landed(self, wait: bool = False) -> bool:
-        """End the transfer here if its copies have completed and its worker has not ended it yet
-        (GPU transfers enqueued at call time): a waiter then needs no hop through the worker's thread.
-        ``wait``: first sleep until they complete, where that cannot delay seeing a cancel."""
-        finisher = self._finisher
-        return finisher is not None and self._state == _PENDING and not self._in_parent_only() and finisher(wait)
+    def _finish_if_landed(self) -> bool:
+        """End the transfer here if its copies have completed and nobody ended it yet (GPU transfers
+        enqueued at call time): a waiter then needs no hop through another thread."""
+        job = self._job
+        return job is not None and self._generation == process_generation() and job.end_if_landed()
 
     def _in_parent_only(self) -> bool:
         """True in a child forked while the transfer ran: it goes on in the parent, never here."""
@@ -325,12 +320,6 @@ class Transfer:
             raise ClosedError(
                 f"this {self.kind} was started before a fork() and runs on in the parent process only; it never ends here"
             )
-
-    def _waiting(self) -> None:
-        """Somebody starts waiting for the transfer (still running): its worker follows it closely."""
-        follow = self._follow_closely
-        if follow is not None:
-            follow()
 
     def _dispatch(self, cb: _Callback) -> None:
         """Run a done callback where it belongs: on its loop, else (or if that loop has closed) here."""
@@ -343,81 +332,50 @@ class Transfer:
                 pass
         _call_quietly(fn, self, context)
 
+    # -- the workers' side (called by its job) -------------------------------------------
 
-class TransferControl:
-    """The workers' side of one :class:`Transfer` (the caller gets only :attr:`transfer`): the one
-    place that ends it (:meth:`finish`), how a cancel or a waiting thread reaches its worker, and the
-    per-tensor landings of a load."""
-
-    __slots__ = ("transfer",)
-
-    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
-        self.transfer = Transfer(kind, tensor_names)
-
-    @property
-    def cancel_requested(self) -> bool:
-        """True once :meth:`Transfer.cancel` was called (before the transfer ended)."""
-        return self.transfer._cancel_requested
-
-    def set_finisher(self, finisher: Callable[[bool], bool], follow_closely: Callable[[], Any]) -> None:
-        """Install how a waiting thread ends the transfer once its copies have landed (``finisher(wait)``,
-        True if it did so), and how to tell its worker that somebody waits."""
-        t = self.transfer
-        t._finisher, t._follow_closely = finisher, follow_closely
-
-    def set_canceller(self, canceller: Callable[[], Any]) -> None:
-        """Install how to stop the transfer's work; runs it now if a cancel came first."""
-        t = self.transfer
-        with t._lock:
-            t._canceller = canceller
-            fire = t._cancel_requested and t._state == _PENDING
-        if fire:
-            canceller()
-
-    def finish(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> None:
-        """End the transfer (the first call wins): wake every waiter and run the done callbacks."""
-        t = self.transfer
-        with t._lock:
-            if t._state != _PENDING:
+    def _end(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> None:
+        """End the transfer (the first call wins): wake every waiter and run the done callbacks. Only
+        its job calls this (:meth:`~.job.Job.end`)."""
+        with self._lock:
+            if self._state != _PENDING:
                 return
             if cancelled:
-                t._state = _CANCELLED
+                self._state = _CANCELLED
             elif exc is not None:
-                t._state, t._exc, t._exc_tb = _FAILED, exc, exc.__traceback__
+                self._state, self._exc, self._exc_tb = _FAILED, exc, exc.__traceback__
             else:
-                t._state, t._result = _DONE, result
-            callbacks, t._callbacks = t._callbacks, []
-            t._canceller = t._finisher = t._follow_closely = None
-            finished = t._finished
+                self._state, self._result = _DONE, result
+            callbacks, self._callbacks = self._callbacks, []
+            self._job = None
+            finished = self._finished
             tensor_waiters = []
-            for state in (t._tensors or {}).values():
+            for state in (self._tensors or {}).values():
                 tensor_waiters += state.waiters
                 state.waiters = []
         if finished is not None:
             finished.set()
         for cb in callbacks:
-            t._dispatch(cb)
+            self._dispatch(cb)
         for wake in tensor_waiters:  # those whose tensor never landed: they raise the outcome
-            _call_quietly(wake, t)
+            _call_quietly(wake, self)
 
-    def track_tensors(self, names: tuple[str, ...], events: list[Any] | None) -> None:
-        """Before the transfer is returned: the tensors in copy order, and (per-tensor GPU loads) the
-        event each tensor's copy ends with; without events tensors are done with the transfer."""
-        t = self.transfer
-        t._tensor_names = names
-        if events is not None:
-            t._tensors = {n: _TensorCopy(e) for n, e in zip(names, events)}
+    def _track_tensors(self, events: list[Any]) -> None:
+        """Before the transfer is returned, for a per-tensor GPU load: the event each tensor's copy ends
+        with, in copy order; tensors after a failed submission get none (they never land: their waiters
+        get the transfer's error)."""
+        self._tensors = {n: _TensorCopy(events[i] if i < len(events) else None) for i, n in enumerate(self._tensor_names)}
 
-    def tensor_landed(self, index: int) -> None:
+    def _tensor_landed(self, index: int) -> None:
         """Tensor ``index`` (in copy order) is in place: wake its waiters."""
-        t = self.transfer
-        assert t._tensors is not None
-        state = t._tensors[t._tensor_names[index]]
-        with t._lock:
+        assert self._tensors is not None
+        state = self._tensors[self._tensor_names[index]]
+        with self._lock:
             state.done = True
             waiters, state.waiters = state.waiters, []
         for wake in waiters:
-            _call_quietly(wake, t)
+            _call_quietly(wake, self)
+
 
 
 class _TensorCopy:

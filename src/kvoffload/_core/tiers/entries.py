@@ -1,0 +1,81 @@
+"""The index's records: each key's :class:`Entry` and its :class:`State`, each tier's slot ownership
+(:class:`Tier`). :class:`~.index.BlockIndex` changes them, under its lock; the module docstring of
+``index.py`` says how."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+__all__ = ["DISK", "HOST", "TIER_NAMES", "VISIBLE", "Entry", "State", "Tier"]
+
+HOST, DISK = 0, 1
+TIER_NAMES = ("host", "disk")
+
+
+class State(enum.Enum):
+    """Where an entry is in its life (see the module docstring of ``index.py``)."""
+
+    PENDING = "pending"
+    READY = "ready"
+    SPILLING = "spilling"
+    GONE = "gone"
+
+
+VISIBLE = (State.READY, State.SPILLING)
+"""The states a lookup finds and a load reads."""
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One key's block: its state, and the tier and slot where loads find it."""
+
+    key: Hashable
+    """The key, as the store that made the entry passed it (what the index's dicts hold it under)."""
+    state: State
+    tier: int
+    slot: int
+    loads: int = 0
+    """Running loads and leases that pinned this entry (for ``stats().pinned``)."""
+    clean_slot: int = -1
+    """A READY host entry's clean disk copy: the disk slot it was promoted from, still owned by it and
+    holding its bytes unchanged; -1: none. With ``slot`` (in ``tier``), the slots the entry owns."""
+
+
+@dataclass
+class Tier:
+    """Slot ownership of one tier."""
+
+    size: int
+    owner: list[Entry | None] = field(init=False)
+    readers: list[int] = field(init=False)
+    free: list[int] = field(init=False)
+    lru: OrderedDict[Hashable, Entry] = field(default_factory=OrderedDict)
+    """READY and SPILLING entries whose current copy is in this tier, least recently used first (by key)."""
+
+    def __post_init__(self) -> None:
+        self.owner = [None] * self.size
+        self.readers = [0] * self.size
+        self.free = list(range(self.size - 1, -1, -1))  # low numbers first: fresh stores are contiguous
+
+    def take(self, entry: Entry) -> int:
+        slot = self.free.pop()
+        self.owner[slot] = entry
+        return slot
+
+    def take_in_order(self, entries: list[Entry]) -> None:
+        """Give each of ``entries`` a free slot, in ascending order: consecutive slots make one copy
+        descriptor per run (slots freed in some order, say by a discard, are taken back sorted)."""
+        if not entries:
+            return
+        slots = sorted(self.free[-len(entries):])
+        del self.free[-len(entries):]
+        for e, slot in zip(entries, slots):
+            self.owner[slot] = e
+            e.slot = slot
+
+    def rebuild_free_list(self) -> None:
+        """The free list made anew from ownership and readers: every slot neither owned nor read."""
+        self.free = [s for s in range(self.size - 1, -1, -1) if self.owner[s] is None and not self.readers[s]]

@@ -1,0 +1,257 @@
+"""A transfer's one record on the workers' side: :class:`Job`.
+
+The caller holds the :class:`~.transfer.Transfer`; everything else a running transfer has is one
+job: its copies (their completion events, the error that stopped their submission, a load's cancel
+flag), who owns it (the worker once it takes it, or the caller that was interrupted before), the
+task that runs it, and the tiers' own bookkeeping, which a tier's store or load plan adds by
+subclassing it (:meth:`landed`, :meth:`result`, :meth:`cleanup`, :meth:`count_end`).
+
+A job ends in one place, :meth:`Job.end`, exactly once, whoever gets there first: its worker, the
+thread that follows its copies (:class:`~.landings.LandingWatcher`), a caller that awaits it once its
+copies have landed (:meth:`Job.end_if_landed`), or the caller an interrupt cut short
+(:meth:`~.copy_worker.CopyWorker.abandon`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..base.cross_thread import give_back_wake_semaphore, take_wake_semaphore
+from ..base.foreign import ForeignCallError, as_transfer_error
+from ..cuda.events import CopyEvent, completed, wait_completed
+from .transfer import Transfer, TransferResult
+
+if TYPE_CHECKING:
+    from .copy_submission import CopyRequest
+    from .copy_worker import CopyWorker
+
+__all__ = ["Job"]
+
+log = logging.getLogger("kvoffload")
+
+_LOCK = threading.Lock()
+"""Held to claim a job (its worker takes it, or its interrupted caller withdraws it), to report its
+landings and to claim its end: brief, and never around a copy or a wait."""
+
+_WAITING, _TAKEN, _WITHDRAWN = range(3)
+
+RECHECK_ASLEEP_S = 0.1
+"""A thread asleep until a job's copies land looks again this often, should a ring never come."""
+
+
+class Job:
+    """One store's or load's record (see the module docstring). The tiers' plans subclass it."""
+
+    __slots__ = (
+        "transfer", "worker", "events", "error", "cancel_flag", "requests", "reports_landings", "next_landing", "stop_at",
+        "ended", "owner", "task", "started", "taken", "sleepers",
+    )
+
+    def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
+        self.transfer = Transfer(kind, tensor_names, self)
+        self.worker: CopyWorker | None = None
+        """The worker that runs it (set by :meth:`CopyWorker.start`)."""
+        self.events: list[CopyEvent | None] | None = None
+        """Copies submitted for it outside a task, in stream order: one completion event each (None: it
+        happened already). None: it runs as a task, or has not started."""
+        self.error: Exception | None = None
+        """What stopped the submission of its copies (the later ones were not submitted)."""
+        self.cancel_flag: Any = None
+        """A GPU load's :class:`~..cuda.cancel_flags.CancelFlag`: raised on cancel, its kernels skip the rest."""
+        self.requests: list[CopyRequest] | None = None
+        """A CPU job's one chunk, copied by its worker."""
+        self.reports_landings = False
+        """True: :meth:`landed` is called as each copy completes (stores publish chunk by chunk)."""
+        self.next_landing = 0
+        """Copies before this one have completed (and were reported)."""
+        self.stop_at = -1
+        """Cancelled: the job ends once copy ``stop_at`` has completed (later ones skip their work)."""
+        self.ended = False
+        self.owner = _WAITING
+        self.task: asyncio.Task[TransferResult] | None = None
+        self.started = time.perf_counter()
+        """When the call began."""
+        self.taken: float | None = None
+        """When a worker took it (None: it never started)."""
+        self.sleepers: list[Any] = []
+        """Wake semaphores of threads blocked in ``result()`` until its copies land: rung at its end too."""
+
+    # -- the tiers' bookkeeping (their plans override these) -------------------------------
+
+    def landed(self, i: int) -> None:
+        """Copy ``i`` (and every copy before it) has completed. Called under the job lock."""
+
+    def result(self) -> TransferResult:
+        """The finished transfer's result."""
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        """Undo what did not finish; runs however the job ends, once its copies have completed. Idempotent."""
+
+    def count_end(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
+        """See the outcome just before the transfer ends (the plans count it)."""
+
+    # -- ownership ----------------------------------------------------------------------------
+
+    def take(self) -> bool:
+        """(The worker.) True: the job is the worker's now; False: its interrupted caller withdrew it."""
+        with _LOCK:
+            if self.owner == _WAITING:
+                self.owner = _TAKEN
+            return self.owner == _TAKEN
+
+    def withdraw(self) -> bool:
+        """(The interrupted caller.) True: the job is the caller's to end; False: a worker has it."""
+        with _LOCK:
+            if self.owner == _WAITING:
+                self.owner = _WITHDRAWN
+            return self.owner == _WITHDRAWN
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once :meth:`Transfer.cancel` was called before the transfer ended."""
+        return self.transfer._cancel_requested
+
+    # -- its copies ---------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Block until every copy submitted outside a task has completed or failed: nothing more is
+        written (a cleanup path: a failed copy counts as settled). Then give the cancel flag back."""
+        for event in reversed(self.events or ()):  # in stream order: the last one covers all
+            if event is not None:
+                try:
+                    wait_completed(event)
+                except ForeignCallError:
+                    pass
+                break
+        self.release_flag()
+
+    def release_flag(self) -> None:
+        """No kernel reads the cancel flag any more: give it back (once)."""
+        with _LOCK:
+            flag, self.cancel_flag = self.cancel_flag, None
+        if flag is not None:
+            flag.release()
+
+    def report(self, upto: int) -> None:
+        """Copies up to ``upto`` have completed: report them (those that want to know), unless the job
+        ended or a cancel came."""
+        with _LOCK:
+            if self.reports_landings and not self.ended and not self.transfer._cancel_requested:
+                while self.next_landing <= upto:
+                    self.next_landing += 1
+                    self.landed(self.next_landing - 1)
+            elif self.next_landing <= upto:
+                self.next_landing = upto + 1
+
+    def copies_done(self) -> bool:
+        """Every submitted copy has completed: end cancelled, failed or done. True if it ended here."""
+        if self.cancel_flag is not None:
+            self.release_flag()
+        if self.transfer._cancel_requested:
+            return self.end(cancelled=True)
+        return self.end(exc=self.error)
+
+    def failed(self, error: BaseException) -> bool:
+        """A copy failed on the device (it is settled: nothing more is written): end failed, or
+        cancelled if a cancel came first; what had not landed is never reported."""
+        self.release_flag()
+        if self.transfer._cancel_requested:
+            return self.end(cancelled=True)
+        return self.end(exc=error)
+
+    def end_if_landed(self) -> bool:
+        """From a thread that waits for the job: if it runs on copies submitted at call time and all of
+        them have completed, report them and end it here, with no hop through another thread (which may
+        not get the GIL for milliseconds while this one runs Python). True if it ended here."""
+        events = self.events
+        if self.ended or not events or self.task is not None or self.error is not None or self.transfer._cancel_requested:
+            return False
+        last = events[-1]
+        try:
+            if last is not None and not completed(last):
+                return False
+        except ForeignCallError as e:
+            return self.failed(e)
+        self.report(len(events) - 1)
+        return self.copies_done()
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def end(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> bool:
+        """End the transfer, once (the first call wins; True if this one did): :meth:`cleanup` (what
+        it holds goes back: its copies have completed), its result, :meth:`count_end`, then the
+        :class:`Transfer` ends and its waiters wake. Nothing raised here escapes (a ``SystemExit``
+        would stop a worker's loop for good)."""
+        with _LOCK:
+            if self.ended:
+                return False
+            self.ended = True
+        if self.taken is None:
+            self.taken = time.perf_counter()
+        try:
+            self.cleanup()
+        except BaseException:
+            log.exception("kvoffload: transfer cleanup raised")
+        if not cancelled and exc is None and result is None:
+            try:
+                result = self.result()
+            except BaseException as e:
+                exc = e
+        if exc is not None:
+            exc = as_transfer_error(self.transfer.kind, exc)
+        try:
+            self.count_end(result, exc, cancelled)
+        except BaseException:
+            log.exception("kvoffload: transfer end hook raised")
+        self.transfer._end(result, exc, cancelled)
+        for semaphore in tuple(self.sleepers):  # a thread asleep until the copies land: it ended sooner (a cancel)
+            semaphore.ring()
+        return True
+
+    def sleep_until_landed(self, timeout: float | None) -> None:
+        """(A thread blocked in ``result()`` on copies submitted at call time.) Sleep, the GIL released,
+        until the driver rings this thread once the last copy landed, then end the job here
+        (:meth:`end_if_landed`): behind a thread busy in Python, one take of the GIL where a wake-up
+        from the landing watcher costs two in a row. Returns early if the job ends otherwise (its end
+        rings the sleepers: a cancel, an error), at ``timeout``, or where there are no wake semaphores."""
+        events, worker = self.events, self.worker
+        if not events or events[-1] is None or worker is None or self.error is not None:
+            return
+        try:
+            semaphore = take_wake_semaphore()
+        except OSError:
+            return
+        last = events[-1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.sleepers.append(semaphore)
+        try:
+            if not worker.ring_when_landed(last, semaphore):
+                return
+            while not self.ended and not self.transfer._cancel_requested:
+                try:
+                    if completed(last):
+                        break
+                except ForeignCallError:
+                    break  # end_if_landed below fails the job
+                left = RECHECK_ASLEEP_S if deadline is None else min(RECHECK_ASLEEP_S, deadline - time.monotonic())
+                if left <= 0:
+                    return
+                semaphore.sleep(left)
+            self.end_if_landed()
+        finally:
+            self.sleepers.remove(semaphore)
+            give_back_wake_semaphore(semaphore)
+
+    def cancel(self) -> None:
+        """(Any thread, once :meth:`Transfer.cancel` recorded the request.) Stop what can be stopped: a
+        task is cancelled on its loop; a load with a cancel flag raises it, so its kernels skip what
+        they have not started. Other jobs end cancelled once their copies have completed."""
+        worker = self.worker
+        if worker is not None:
+            worker.cancel(self)

@@ -1,0 +1,214 @@
+"""How kvoffload learns that a GPU copy landed: :class:`LandingWatcher`, one per GPU copy worker.
+
+The watcher is a thread asleep on a semaphore (:class:`~..base.cross_thread.WakeSemaphore`) that the
+driver rings once a copy's completion event completes: the copier enqueues, on a stream of its own,
+a wait for that event and then libc's ``sem_post`` as a host function (``ring_when_complete``), so
+no Python runs and no thread of kvoffload's is awake while copies are in flight. Rung, the watcher
+takes the GIL once, asks every copy it follows whether it completed (``cuEventQuery``, about a
+microsecond), reports what landed, and has the driver ring again for the oldest copy still in
+flight: a burst of transfers costs one ring, however many land meanwhile.
+
+It follows two things, in the order they were handed to it:
+
+* jobs whose copies were submitted outside a task (:meth:`follow`): it reports their landings (a
+  store publishes chunk by chunk) and ends them (:meth:`~.job.Job.copies_done`) once their last copy
+  completed; a cancelled load with a cancel flag ends once the copy running when the flag was raised
+  completed;
+* single events with a callback (:meth:`when_complete`): a task's chunk, awaited on the worker's
+  loop, and the raising of a cancel flag.
+
+Events of one worker complete in the order they were recorded (its copies run on its streams in
+submission order), so one ring, for the oldest, is enough, and a look stops at the first job whose
+copy is still in flight; an event off those streams (a cancel flag's) asks for a ring of its own. A copy that failed on the device counts as completed, with the
+error (:func:`~..cuda.events.completed` raises it): its job fails, its callback gets it.
+
+Whoever else notices a landing first may end a job through the same path (a caller awaiting it,
+:meth:`~.job.Job.end_if_landed`); the watcher then drops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..base.cross_thread import give_back_wake_semaphore, take_wake_semaphore
+from ..base.foreign import ForeignCallError
+from ..base.helper_threads import mark_own_thread
+from ..cuda.events import CopyEvent, completed
+from .copier import BlockCopier
+from .job import Job
+
+__all__ = ["LandingWatcher"]
+
+log = logging.getLogger("kvoffload")
+
+Landed = Callable[[ForeignCallError | None], Any]
+"""Called on the watcher's thread once an event completed (None) or failed (the error)."""
+
+
+class LandingWatcher:
+    """Follows one worker's GPU copies on a thread of its own (see the module docstring)."""
+
+    IDLE_RECHECK_S = 1.0
+    """How often it looks with nothing to follow (only whether to stop)."""
+    RECHECK_S = 0.05
+    """How often it looks while it follows copies, should a ring never come (a failed device)."""
+
+    def __init__(self, copier: BlockCopier, name: str) -> None:
+        self._copier = copier
+        self._semaphore = take_wake_semaphore()  # OSError without POSIX semaphores
+        self._jobs: list[Job] = []
+        self._waits: list[tuple[CopyEvent, Landed]] = []
+        self._lock = threading.Lock()
+        self._ring_pending = False
+        """A ring is on its way for the oldest copy followed: copies handed over meanwhile need none."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- handing copies over (any thread) ---------------------------------------------------
+
+    def follow(self, job: Job) -> None:
+        """Follow ``job``'s copies (``job.events``, enqueued in this thread) until it ended. RuntimeError
+        once stopping (as a stopped worker's mailbox raises): the caller ends the job."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the worker has stopped")
+            self._jobs.append(job)
+            ring = not self._ring_pending
+            self._ring_pending = True
+        if ring:
+            events = job.events
+            self._ring_after(events[0] if events is not None and len(events) == 1 else _next_event(job))
+
+    def when_complete(self, event: CopyEvent, landed: Landed, *, in_order: bool = True) -> None:
+        """Call ``landed(failure)`` on the watcher's thread once ``event`` completed. ``in_order=False``:
+        ``event`` is not on the worker's copy streams (it may complete before older ones): it gets a
+        ring of its own. RuntimeError once stopping."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the worker has stopped")
+            self._waits.append((event, landed))
+            ring = not self._ring_pending or not in_order
+            self._ring_pending = True
+        if ring:
+            self._ring_after(event)
+
+    def _ring_after(self, event: CopyEvent | None) -> None:
+        """Have the driver ring the watcher once ``event`` completes (None: look now)."""
+        if event is None:
+            self._semaphore.ring()
+            return
+        try:
+            self._copier.ring_when_complete(event, self._semaphore)
+        except Exception:  # a failed device: the next look finds the copy failed
+            log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
+            self._semaphore.ring()
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        mark_own_thread()
+        while not self._stopping:
+            self._semaphore.sleep(self.RECHECK_S if self._jobs or self._waits else self.IDLE_RECHECK_S)
+            if self._jobs or self._waits:
+                try:
+                    self._sweep()
+                except BaseException:  # a bug of ours must not stop the watcher: the jobs end at shutdown
+                    log.exception("%s: following copies raised", self._thread.name)
+
+    def _sweep(self) -> None:
+        """Report what landed; keep the rest, and have the driver ring again for the oldest of it."""
+        with self._lock:
+            jobs, waits = list(self._jobs), list(self._waits)
+            self._ring_pending = False  # the ring came (or this is a recheck): a hand-over may ring again
+        done_jobs = set()
+        for job in jobs:
+            if _advance(job):
+                done_jobs.add(id(job))
+            elif job.stop_at < 0:  # its copy in flight: those handed over later land after it (stream order)
+                break
+        done_waits = set()
+        for item in waits:
+            event, landed = item
+            failure: ForeignCallError | None = None
+            try:
+                if not completed(event):
+                    continue
+            except ForeignCallError as e:
+                failure = e
+            done_waits.add(id(item))
+            try:
+                landed(failure)
+            except BaseException:
+                log.exception("%s: a landing callback raised", self._thread.name)
+        with self._lock:
+            if done_jobs:
+                followed, k = self._jobs, 0
+                while k < len(followed) and id(followed[k]) in done_jobs:  # usually the oldest: a prefix
+                    k += 1
+                if k == len(done_jobs):
+                    del followed[:k]
+                else:
+                    self._jobs = [j for j in followed if id(j) not in done_jobs]
+            if done_waits:
+                self._waits = [w for w in self._waits if id(w) not in done_waits]
+            ring = not self._ring_pending and bool(self._jobs or self._waits)
+            if ring:
+                self._ring_pending = True
+                oldest = _next_event(self._jobs[0]) if self._jobs else self._waits[0][0]
+        if ring:
+            self._ring_after(oldest)
+
+    def jobs(self) -> list[Job]:
+        """The jobs it follows now."""
+        with self._lock:
+            return list(self._jobs)
+
+    def stop(self) -> None:
+        """Follow nothing more (hand-overs raise RuntimeError), stop the thread, give the semaphore back."""
+        with self._lock:
+            self._stopping = True
+        self._semaphore.ring()
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            give_back_wake_semaphore(self._semaphore)
+
+
+def _next_event(job: Job) -> CopyEvent | None:
+    """The copy of ``job`` to be rung for: its next one to land when it reports landings, else its last."""
+    events = job.events or []
+    candidates = events[job.next_landing:] if job.reports_landings else events[-1:]
+    if job.next_landing <= job.stop_at:  # cancelled, and the copy it ends with has not been seen complete
+        candidates = events[job.stop_at : job.stop_at + 1] + candidates
+    for event in candidates:
+        if event is not None:
+            return event
+    return None
+
+
+def _advance(job: Job) -> bool:
+    """Report what of ``job`` landed, end it when it is done; True once the watcher is done with it."""
+    if not job.take():  # its interrupted caller withdrew it, and ends it
+        return True
+    events = job.events or []
+    i, n = job.next_landing, len(events)
+    while i < n:
+        event = events[i]
+        try:
+            if event is not None and not completed(event):
+                break
+        except ForeignCallError as e:  # settled: nothing more is written
+            job.failed(e)
+            return True
+        i += 1
+    if i > job.next_landing:
+        job.report(i - 1)
+    if i == n:
+        job.copies_done()
+        return True
+    if 0 <= job.stop_at < i:  # cancelled: later copies skip their work; the flag goes back with the last
+        job.end(cancelled=True)
+    return False
