@@ -26,7 +26,7 @@ _own = threading.local()
 
 def mark_own_thread() -> None:
     """Mark the calling thread as one of kvoffload's that must never wait for a close: call it first
-    thing on every worker loop, completion bridge and disk IO thread. (Done callbacks run on worker
+    thing on every worker loop, landing watcher and disk IO thread. (Done callbacks run on worker
     loops; garbage collection, and so an offloader's finalizer, may run on any of them.)"""
     _own.marked = True
 

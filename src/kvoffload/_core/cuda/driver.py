@@ -270,7 +270,7 @@ MAX_POOLED_EVENTS = 4096
 class DriverEvent:
     """A blocking-sync CUDA event made, recorded and queried without releasing the GIL.
 
-    Quacks like the ``torch.cuda.Event`` the completion bridges watch: ``query()`` and
+    Quacks like the ``torch.cuda.Event`` the landing watcher asks about: ``query()`` and
     ``synchronize()`` (which does release the GIL: it is what a waiting thread does).
 
     Handles are pooled: a gone event's handle is kept for the next one on its device instead of

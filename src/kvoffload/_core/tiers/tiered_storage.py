@@ -188,7 +188,7 @@ class TieredStorage:
     """The host and disk tiers with their common index; starts transfers on their workers.
 
     A transfer between the cache and host slots alone (a store that needs no
-    spill, a load of host-resident keys) is a host-copy job of its worker: a GPU
+    spill, a load of host-resident keys) needs no task on its worker: a GPU
     cache's copies are enqueued whole in the caller's thread, before ``store()``
     or ``load()`` returns, so they run with no Python step between chunks
     however busy the caller's or the worker's thread. The rest (spills, the
@@ -260,7 +260,7 @@ class TieredStorage:
 
     def _capture_evicted_on_host(self, reservation: Reservation) -> None:
         """Write on eviction: the host slots a reservation evicted, copied for the remote before anything
-        writes them (at the call: a host-copy job's copies are enqueued before it returns)."""
+        writes them (at the call: copies at call time are enqueued before it returns)."""
         if reservation.evicted and self.remote is not None:
             self.remote.capture_host([v for v in reservation.evicted if v.tier == HOST])
 

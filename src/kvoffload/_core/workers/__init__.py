@@ -1,2 +1,2 @@
-"""Copy workers: one per direction with its loop, its copier and its completion bridge, and the
-transfer handle / control they end. Below ``tiers/``; imports ``cuda/`` and ``base/`` only."""
+"""Copy workers: one per direction with its loop, its copier and its landing watcher; a transfer's
+job and the handle it ends. Below ``tiers/``; imports ``cuda/`` and ``base/`` only."""
