@@ -24,7 +24,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from ..base.cache_identity import CacheIdentity, encode_key
@@ -32,8 +32,7 @@ from ..base.deadline import Deadline
 from ..base.diskfile import DiskIoCounts, IoBatch, IoCalls
 from .hostmem import HostBuffer
 from .index import DISK, HOST, BlockIndex, Pin, Reservation
-from ..workers.copy_submission import CopyRequest
-from ..workers.copy_worker import CopyWorker, CopyWorkers, Run
+from ..workers.copy_worker import CopyWorker, CopyWorkers
 from ..workers.job import Job
 from ..base.layout import BlockLayout
 from ..workers.transfer import Transfer, TransferResult

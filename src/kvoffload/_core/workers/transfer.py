@@ -20,7 +20,7 @@ that task cancels the transfer.
 
 from __future__ import annotations
 
-import asyncio
+import asyncio  # noqa: F401  (named in a type alias as a string)
 import contextvars
 import logging
 import threading
