@@ -107,7 +107,7 @@ class CopySubmitter:
                     with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
                         if by_tensor is not None:
                             events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, *by_tensor))  # type: ignore[attr-defined]
-                        for r in requests if by_tensor is None else ():
+                        for r in requests if by_tensor is None else ():  # :meth:`submit`, inlined: a call fewer per copy
                             if r.to_host:
                                 events.append(call_foreign("copy to host", calls.to_host, self.copier, r.block_ids, r.host, r.rows))
                             else:

@@ -35,7 +35,7 @@ import torch
 
 from ..base.async_backends import settled
 from ..base.foreign import ForeignCallError, as_transfer_error
-from ..cuda.events import CopyEvent
+from ..cuda.events import CopyEvent, completed
 from .copier import BlockCopier
 from .copy_submission import CopyCalls, CopyRequest, CopySubmitter
 from .job import Job
@@ -223,11 +223,16 @@ class CopyWorker:
             job.failed(failure)
             return
         for i, event in enumerate(job.events or ()):
-            if event is not None and not _completed_or_failed(event):
-                job.stop_at = i
-                assert self._watcher is not None
-                self._watcher.when_complete(event, _nothing, in_order=False)  # a ring of its own
+            try:
+                if event is None or completed(event):
+                    continue
+            except ForeignCallError as e:  # settled: the job fails (or ends cancelled, the cancel first)
+                job.failed(e)
                 return
+            job.stop_at = i
+            assert self._watcher is not None
+            self._watcher.when_complete(event, _nothing, in_order=False)  # a ring of its own
+            return
 
     # -- one chunk on the worker (CPU) --------------------------------------------------------
 
@@ -394,13 +399,6 @@ def _settle_future(fut: asyncio.Future[None], failure: ForeignCallError | None) 
         fut.set_exception(failure)
     else:
         fut.set_result(None)
-
-
-def _completed_or_failed(event: CopyEvent) -> bool:
-    try:
-        return bool(event.query())
-    except Exception:  # failed: settled
-        return True
 
 
 def _nothing(failure: ForeignCallError | None) -> None:

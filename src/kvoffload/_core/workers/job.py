@@ -112,11 +112,6 @@ class Job:
                 self.owner = _WITHDRAWN
             return self.owner == _WITHDRAWN
 
-    @property
-    def cancel_requested(self) -> bool:
-        """True once :meth:`Transfer.cancel` was called before the transfer ended."""
-        return self.transfer._cancel_requested
-
     # -- its copies ---------------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -149,21 +144,19 @@ class Job:
             elif self.next_landing <= upto:
                 self.next_landing = upto + 1
 
-    def copies_done(self) -> bool:
-        """Every submitted copy has completed: end cancelled, failed or done. True if it ended here."""
+    def copies_done(self, failure: BaseException | None = None) -> bool:
+        """Every submitted copy has completed, or ``failure``: one failed on the device (it is settled:
+        nothing more is written, and what had not landed is never reported). End cancelled if a cancel
+        came, else failed (``failure``, or what stopped the submission) or done. True if it ended here."""
         if self.cancel_flag is not None:
             self.release_flag()
         if self.transfer._cancel_requested:
             return self.end(cancelled=True)
-        return self.end(exc=self.error)
+        return self.end(exc=failure if failure is not None else self.error)
 
     def failed(self, error: BaseException) -> bool:
-        """A copy failed on the device (it is settled: nothing more is written): end failed, or
-        cancelled if a cancel came first; what had not landed is never reported."""
-        self.release_flag()
-        if self.transfer._cancel_requested:
-            return self.end(cancelled=True)
-        return self.end(exc=error)
+        """A copy failed on the device: :meth:`copies_done` with ``error``."""
+        return self.copies_done(error)
 
     def end_if_landed(self) -> bool:
         """From a thread that waits for the job: if it runs on copies submitted at call time and all of
