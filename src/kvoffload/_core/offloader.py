@@ -18,7 +18,7 @@ from .tiers.index import BlockIndex, Pin
 from .base.keys import check_key, key_list
 from .base.layout import BlockLayout, check_block_mapping
 from .base.options import Options, TierSlots, format_size
-from .runtime import Runtime, finalize_runtime, process_generation
+from .runtime import PROCESS, Runtime, finalize_runtime
 from .tiers.stats import OffloaderStats, TierCounts, TransferCounters
 from .base.cache_identity import encode_key
 from .tiers.remote_tier import RemoteCounts
@@ -180,7 +180,7 @@ class Offloader:
         self._remote_counts_closed = RemoteCounts()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pid = os.getpid()
-        self._generation = process_generation()
+        self._generation = PROCESS.generation
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -235,7 +235,7 @@ class Offloader:
         are left alone.
         """
         timeout = check_timeout(timeout)
-        if self._generation != process_generation():  # a forked child: nothing here is ours to release
+        if self._generation != PROCESS.generation:  # a forked child: nothing here is ours to release
             self._closed = True
             self._runtime = None
             if self._finalizer is not None:
@@ -332,7 +332,7 @@ class Offloader:
         await self.aclose()
 
     def _check_process(self) -> None:
-        if self._generation != process_generation():
+        if self._generation != PROCESS.generation:
             raise ClosedError(
                 f"this offloader belongs to process {self._pid}; create a new one in the child (process {os.getpid()})"
             )
@@ -357,7 +357,7 @@ class Offloader:
         ``self._calls.pop(token, None)`` (one C call: an interrupt cannot land between the call's end
         and the uncounting), then :meth:`_wake_close` if it was the last and close() has begun (it sets
         ``_closed`` under the lock before it looks at the count)."""
-        if self._generation != process_generation():
+        if self._generation != PROCESS.generation:
             self._check_process()
         with self._lock:
             rt = self._runtime

@@ -23,7 +23,7 @@ import torch
 
 from .base.deadline import Deadline
 from .base.errors import CloseError
-from .base.helper_threads import HelperThread, on_worker_thread, process_generation
+from .base.helper_threads import PROCESS, HelperThread, on_worker_thread
 from .workers.copy_submission import CopyCalls
 from .workers.copy_worker import CopyWorker, CopyWorkers
 from .base.layout import BlockLayout
@@ -39,7 +39,7 @@ from .tiers.remote_tier import RemoteCounts, RemoteTier
 from .tiers.tiered_storage import TieredStorage
 
 __all__ = [
-    "BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "HoldExpiry", "Runtime", "finalize_runtime", "process_generation",
+    "BOOKKEEPING_BYTES_PER_SLOT", "MAX_SLOTS_PER_TIER", "Footprint", "HoldExpiry", "Runtime", "finalize_runtime", "PROCESS",
 ]
 
 log = logging.getLogger("kvoffload")
@@ -293,7 +293,7 @@ class Runtime:
         self, layout: BlockLayout, caches: dict[str, torch.Tensor], opts: Options, slots: TierSlots, metrics: TransferCounters,
     ) -> None:
         self.pid = os.getpid()
-        self.generation = process_generation()
+        self.generation = PROCESS.generation
         self.layout = layout
         self.storage: TieredStorage | None = None
         self.final_counts: TierCounts | None = None
@@ -357,7 +357,7 @@ class Runtime:
     def close(self, timeout: float | None) -> None:
         """Release everything within ``timeout`` seconds in all (None: no limit); from any thread.
         Raises CloseError if a thread did not stop in time."""
-        if self.closed or self.inherited or self.generation != process_generation():
+        if self.closed or self.inherited or self.generation != PROCESS.generation:
             return
         if on_worker_thread():
             self._close_in_background(timeout)

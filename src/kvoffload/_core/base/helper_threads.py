@@ -1,5 +1,5 @@
 """kvoffload's own threads: which threads are kvoffload's (:func:`mark_own_thread`), which process
-they serve (:func:`process_generation`: none of them survives a fork), and short-lived helper
+they serve (:data:`PROCESS`: none of them survives a fork), and short-lived helper
 threads for work that blocks, such as starting and closing an offloader off the caller's loop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TypeVar
 from .async_backends import wakeup
 
 __all__ = [
-    "HelperThread", "mark_own_thread", "on_worker_thread", "process_generation", "run_in_thread", "run_off_loop",
+    "HelperThread", "mark_own_thread", "on_worker_thread", "PROCESS", "run_in_thread", "run_off_loop",
 ]
 
 T = TypeVar("T")
@@ -43,22 +43,27 @@ class HelperThread(threading.Thread):
 
 # -- which process ------------------------------------------------------------------------------------
 
-_generation = 0
+class _Process:
+    """This process as kvoffload sees it."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation = 0
+        """How many forks separate this process from the one that imported kvoffload first. An object
+        made under another generation belongs to an ancestor process, whose threads did not come
+        along. An attribute, not a call: the hot path reads it at every transfer."""
+
+
+PROCESS = _Process()
 
 
 def _after_fork_in_child() -> None:
-    global _generation
-    _generation += 1
+    PROCESS.generation += 1
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def process_generation() -> int:
-    """How many forks separate this process from the one that imported kvoffload first. An object made
-    under another generation belongs to an ancestor process, whose threads did not come along."""
-    return _generation
 
 
 # -- helper threads -----------------------------------------------------------------------------------

@@ -361,6 +361,12 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool, ca
     if not isinstance(blocks, Mapping):
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
     check_keys(call, blocks)
+    ids = blocks.values()
+    if len(blocks) > 16 and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:  # a large call, at C speed
+        plain: dict[Hashable, int] = dict(blocks)
+        if unique_ids and len(set(ids)) != len(plain):
+            _refuse_duplicate_ids(plain)
+        return plain
     checked: dict[Hashable, int] = {}
     for key, block in blocks.items():
         if type(block) is int and 0 <= block < num_blocks:  # the common case, checked cheaply
@@ -376,12 +382,17 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool, ca
             raise ValueError(f"block id {bid} for key {key!r} is out of range [0, {num_blocks})")
         checked[key] = bid
     if unique_ids and len(set(checked.values())) != len(checked):
-        seen: dict[int, Hashable] = {}
-        for key, bid in checked.items():
-            if bid in seen:
-                raise ValueError(f"keys {seen[bid]!r} and {key!r} both name destination block {bid}")
-            seen[bid] = key
+        _refuse_duplicate_ids(checked)
     return checked
+
+
+def _refuse_duplicate_ids(checked: dict[Hashable, int]) -> None:
+    """``ValueError`` naming the first two keys of ``checked`` with the same block id."""
+    seen: dict[int, Hashable] = {}
+    for key, bid in checked.items():
+        if bid in seen:
+            raise ValueError(f"keys {seen[bid]!r} and {key!r} both name destination block {bid}")
+        seen[bid] = key
 
 
 def runs(*seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

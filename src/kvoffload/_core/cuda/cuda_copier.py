@@ -40,7 +40,7 @@ the kernel stream, so each direction's completions arrive in submission order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,16 +57,15 @@ from .kernels import HostScatter, piece_kernel
 __all__ = ["CudaBlockCopier"]
 
 
-def _current_raw_stream(device_index: int) -> int:
-    """The calling thread's current stream on ``device_index``, as a ``CUstream`` handle.
-
-    ``torch.cuda.current_stream()`` builds a Stream object (5 us measured on the H200, a
-    tenth of a one-block transfer's Python); torch's private getter returns the handle.
-    """
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is not None:
-        return int(get(device_index))
+def _current_stream_by_torch(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+_current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_by_torch
+"""The calling thread's current stream on a device, as a ``CUstream`` handle.
+
+``torch.cuda.current_stream()`` builds a Stream object (5 us measured on the H200, a tenth of a
+one-block transfer's Python); torch's private getter returns the handle, at C speed."""
 
 
 def _event_handle(event: Any) -> int:
@@ -145,7 +144,9 @@ class CudaBlockCopier:
         copier's own recorded there and waited for in one C call: callers hold the submit lock)."""
         self._calls.ensure_context(self._device_index)
         if event is None:
-            self._copies.check(self._chunks.wait_for_stream(_current_raw_stream(self._device_index)))
+            failed = self._chunks.wait_for_stream(_current_raw_stream(self._device_index))
+            if failed is not None:
+                self._copies.check(failed)
             return
         handle = _event_handle(event)
         if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
@@ -157,8 +158,11 @@ class CudaBlockCopier:
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL)."""
         self._calls.ensure_context(self._device_index)
+        handle = event.handle if isinstance(event, DriverEvent) else _event_handle(event)  # the usual case inlined
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
-            self._copies.check(enqueue_ring(*self._ring_calls, _event_handle(event), WakeSemaphore.RING_FUNCTION, semaphore.address))
+            failed = enqueue_ring(*self._ring_calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
+        if failed is not None:
+            self._copies.check(failed)
 
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)
@@ -188,7 +192,9 @@ class CudaBlockCopier:
         completion event (on the copy stream for a store, the kernel stream for a load)."""
         done = DriverEvent(self._device_index)
         if self._direct(len(block_ids)):
-            self._copies.check(self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0))
+            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0)
+            if failed is not None:
+                self._copies.check(failed)
             return done
         b = self._turn
         self._turn ^= 1
@@ -199,7 +205,8 @@ class CudaBlockCopier:
             failed = self._chunks.copy(
                 to_host, False, host.data_ptr(), rows, block_ids, b, free.handle if free is not None else 0, done.handle, *self._cancel,
             )
-            self._copies.check(failed)
+            if failed is not None:
+                self._copies.check(failed)
         self._staging_free[b] = done
         return done
 

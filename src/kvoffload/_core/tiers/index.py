@@ -336,98 +336,97 @@ class BlockIndex:
         ``staged_in_host=False``: the disk-bound blocks need no host slot on their way (a remote
         load stages them in the disk tier's bounce buffer), so they may have all of the disk slots.
         """
-        keys = list(keys)
-        r = Reservation([], [], []) if into is None else into
+        into = Reservation([], [], []) if into is None else into
         if self.holds.next_expiry <= time.monotonic():  # expired holds make room first (a look: no call while none)
             self.holds.expire()
         with self._lock:
-            return self._reserve(keys, r, staged_in_host)
-
-    def _reserve(self, keys: list[Hashable], into: Reservation, staged_in_host: bool) -> Reservation:
-        """:meth:`reserve`, under the lock; fills ``into``."""
-        new_keys: list[Hashable] = []
-        skipped: list[Hashable] = []
-        seen: set[Hashable] = set()
-        present = self._entries
-        for key in keys:
-            if key in present or key in seen:
-                skipped.append(key)
+            new_keys: list[Hashable] = []
+            skipped: list[Hashable] = []
+            present = self._entries
+            if isinstance(keys, dict) and present.keys().isdisjoint(keys):  # the usual store: every key new (at C speed)
+                new_keys = list(keys)
             else:
-                seen.add(key)
-                new_keys.append(key)
-        t = HOST if self._tiers[HOST].size else DISK  # store_tier, without a call
-        tier = self._tiers[t]
-        disk = self._tiers[DISK]
-        n = len(new_keys)
-        # Promotions not started yet give their host slots back first: they never cost a store anything.
-        taken_back = min(max(0, n - len(tier.free)), len(self._unstarted)) if t == HOST else 0
-        free = len(tier.free) + taken_back
-        shortfall = n - free
-        victims: list[Entry] = []
-        direct = 0  # leading new keys that go to disk slots although the store tier is host memory
-        if shortfall > 0:
-            victims = self._evictable(t, shortfall)
-            if len(victims) < shortfall:
-                # Larger than the host slots to be had: the first blocks go to disk (through the host slots
-                # that the last ones take), as long as the disk has or can make room for them.
-                host_room = free + len(victims)
-                direct = n - host_room
-                if t != HOST or not disk.size or (staged_in_host and not host_room):
-                    raise self._capacity_error(n)
-                if direct > len(disk.free) and direct - len(disk.free) > self._disk_room(direct - len(disk.free), victims):
-                    raise self._capacity_error(n)
-        # Everything above only looked; from here on the index changes, and an interrupt (a signal
-        # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
-        changed: list[Entry] = []  # entries other than the victims that lost a slot: evicted, or a clean copy dropped
-        entries: list[Entry] = []
-        evicted: list[Evicted] | None = [] if self.report_evictions else None
-        self._evicted = evicted
-        try:
-            if taken_back:
-                self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
-            for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
-                if v.clean_slot >= 0:
-                    self._demote(v)
-            if direct > len(disk.free):  # room on disk for the first blocks (the look above made sure of it)
-                made = self._make_disk_room(direct - len(disk.free), changed)
-                assert made
-            pending = State.PENDING  # an enum member costs a descriptor call per use: once here
-            entries = [Entry(key, pending, t, -1) for key in new_keys]
-            for e in entries[:direct]:
-                e.tier = DISK
-            disk.take_in_order(entries[:direct])
-            to_spill: list[tuple[Entry, int]] = []
-            spilling = t == HOST and disk.size > 0  # without a disk tier every victim is evicted
-            if spilling:  # disk room for the victims, made at once; those left without a disk slot are evicted
-                short = sum(1 for v in victims if v.tier == t) - len(disk.free)
-                if short > 0:
-                    self._make_disk_room(short, changed)
-            for v in victims:
-                if v.tier != t:  # gone back to its clean disk copy
-                    continue
-                if spilling and disk.free:
-                    to_spill.append((v, disk.take(v)))
-                else:
-                    self._evict(v)
-            # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
-            n_free = len(entries) - direct - len(to_spill)
-            tier.take_in_order(entries[direct : direct + n_free])
-            spills = []
-            for e, (v, disk_slot) in zip(entries[direct + n_free :], to_spill):
-                v.state = State.SPILLING
-                e.slot = v.slot  # owned by the victim until its bytes are on disk
-                spills.append(Spill(v, e, v.slot, disk_slot))
-            self._entries.update(zip(new_keys, entries))
-            to_disk = len(entries) if t == DISK else direct
-            into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
-            if evicted:
-                into.evicted = evicted
-            return into
-        except BaseException:
-            self._repair.undo_reservation(victims + changed, entries)
-            raise
-        finally:
-            self._evicted = None
+                seen: set[Hashable] = set()
+                for key in keys:
+                    if key in present or key in seen:
+                        skipped.append(key)
+                    else:
+                        seen.add(key)
+                        new_keys.append(key)
+            t = HOST if self._tiers[HOST].size else DISK  # store_tier, without a call
+            tier = self._tiers[t]
+            disk = self._tiers[DISK]
+            n = len(new_keys)
+            # Promotions not started yet give their host slots back first: they never cost a store anything.
+            taken_back = min(max(0, n - len(tier.free)), len(self._unstarted)) if t == HOST else 0
+            free = len(tier.free) + taken_back
+            shortfall = n - free
+            victims: list[Entry] = []
+            direct = 0  # leading new keys that go to disk slots although the store tier is host memory
+            if shortfall > 0:
+                victims = self._evictable(t, shortfall)
+                if len(victims) < shortfall:
+                    # Larger than the host slots to be had: the first blocks go to disk (through the host slots
+                    # that the last ones take), as long as the disk has or can make room for them.
+                    host_room = free + len(victims)
+                    direct = n - host_room
+                    if t != HOST or not disk.size or (staged_in_host and not host_room):
+                        raise self._capacity_error(n)
+                    if direct > len(disk.free) and direct - len(disk.free) > self._disk_room(direct - len(disk.free), victims):
+                        raise self._capacity_error(n)
+            # Everything above only looked; from here on the index changes, and an interrupt (a signal
+            # handler's KeyboardInterrupt) anywhere below is undone before it propagates.
+            changed: list[Entry] = []  # entries other than the victims that lost a slot: evicted, or a clean copy dropped
+            entries: list[Entry] = []
+            evicted: list[Evicted] | None = [] if self.report_evictions else None
+            self._evicted = evicted
+            try:
+                if taken_back:
+                    self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
+                for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
+                    if v.clean_slot >= 0:
+                        self._demote(v)
+                if direct > len(disk.free):  # room on disk for the first blocks (the look above made sure of it)
+                    made = self._make_disk_room(direct - len(disk.free), changed)
+                    assert made
+                pending = State.PENDING  # an enum member costs a descriptor call per use: once here
+                entries = [Entry(key, pending, t, -1) for key in new_keys]
+                if direct:
+                    for e in entries[:direct]:
+                        e.tier = DISK
+                    disk.take_in_order(entries[:direct])
+                to_spill: list[tuple[Entry, int]] = []
+                spilling = t == HOST and disk.size > 0  # without a disk tier every victim is evicted
+                if spilling:  # disk room for the victims, made at once; those left without a disk slot are evicted
+                    short = sum(1 for v in victims if v.tier == t) - len(disk.free)
+                    if short > 0:
+                        self._make_disk_room(short, changed)
+                for v in victims:
+                    if v.tier != t:  # gone back to its clean disk copy
+                        continue
+                    if spilling and disk.free:
+                        to_spill.append((v, disk.take(v)))
+                    else:
+                        self._evict(v)
+                # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
+                n_free = len(entries) - direct - len(to_spill)
+                tier.take_in_order(entries[direct : direct + n_free])
+                spills = []
+                for e, (v, disk_slot) in zip(entries[direct + n_free :], to_spill):
+                    v.state = State.SPILLING
+                    e.slot = v.slot  # owned by the victim until its bytes are on disk
+                    spills.append(Spill(v, e, v.slot, disk_slot))
+                self._entries.update(zip(new_keys, entries))
+                to_disk = len(entries) if t == DISK else direct
+                into.entries, into.skipped, into.spills, into.to_disk = entries, skipped, spills, to_disk  # one step: no call between
+                if evicted:
+                    into.evicted = evicted
+                return into
+            except BaseException:
+                self._repair.undo_reservation(victims + changed, entries)
+                raise
+            finally:
+                self._evicted = None
 
     def _capacity_error(self, n: int) -> CapacityError:
         """Under the lock: the error for a store of ``n`` new blocks that cannot have the slots it needs,

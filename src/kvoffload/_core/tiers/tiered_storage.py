@@ -78,8 +78,11 @@ class StorePlan(Job):
         self.published += n
 
     def landed(self, i: int) -> None:
-        """Chunk ``i`` (of ``chunk_blocks`` blocks) has landed."""
-        self.publish(min(self.chunk_blocks, len(self.block_ids) - i * self.chunk_blocks))
+        """Chunk ``i`` (of ``chunk_blocks`` blocks) has landed: its entries are visible (:meth:`publish`,
+        inlined: a call fewer per landing)."""
+        n = min(self.chunk_blocks, len(self.block_ids) - i * self.chunk_blocks)
+        self.index.publish(self.reservation.entries[self.published : self.published + n])
+        self.published += n
 
     def result(self) -> TransferResult:
         keys = tuple([e.key for e in self.reservation.entries])

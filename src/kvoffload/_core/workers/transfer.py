@@ -32,7 +32,7 @@ from typing import Any, Generator, Literal
 from ..base.async_backends import running_asyncio_loop, wakeup
 from ..base.cross_thread import mailbox_of
 from ..base.errors import ClosedError, TransferCancelled
-from ..base.helper_threads import process_generation
+from ..base.helper_threads import PROCESS
 
 __all__ = ["Transfer", "TransferResult"]
 
@@ -92,7 +92,7 @@ class Transfer:
         self._exc: BaseException | None = None
         self._exc_tb: TracebackType | None = None
         """Where the error was raised: every raise of it starts from there again (as a future's do)."""
-        self._generation = process_generation()
+        self._generation = PROCESS.generation
         self._finished: threading.Event | None = None  # made when a thread first blocks on the transfer
         self._callbacks: list[_Callback] = []
         self._cancel_requested = False
@@ -149,6 +149,8 @@ class Transfer:
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
+        if self._state == _DONE:  # :meth:`_outcome`'s first case, inlined: the hot path of every result()
+            return self._result  # type: ignore[return-value]  # set with _DONE
         return self._outcome()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -161,10 +163,13 @@ class Transfer:
         return self._exc.with_traceback(self._exc_tb) if self._exc is not None else None
 
     def _block(self, timeout: float | None) -> bool:
-        self._check_process()
-        if self._finish_if_landed():
+        if self._state != _PENDING:
             return True
+        if self._generation != PROCESS.generation:
+            self._check_process()
         job = self._job
+        if job is not None and job.end_if_landed():  # :meth:`_finish_if_landed`, inlined: the hot path of every result()
+            return True
         if job is not None and timeout is None:  # copies at call time: the driver rings this thread, which ends it
             job.sleep_until_landed(timeout)
         with self._lock:
@@ -213,7 +218,7 @@ class Transfer:
     def __await__(self) -> Generator[Any, None, TransferResult]:
         if self._state == _PENDING:
             job = self._job  # _finish_if_landed, inlined: the hot path of every await
-            if job is None or self._generation != process_generation() or not job.end_if_landed():
+            if job is None or self._generation != PROCESS.generation or not job.end_if_landed():
                 return (yield from self._wait().__await__())
         return self._outcome()
 
@@ -309,11 +314,11 @@ class Transfer:
         """End the transfer here if its copies have completed and nobody ended it yet (GPU transfers
         enqueued at call time): a waiter then needs no hop through another thread."""
         job = self._job
-        return job is not None and self._generation == process_generation() and job.end_if_landed()
+        return job is not None and self._generation == PROCESS.generation and job.end_if_landed()
 
     def _in_parent_only(self) -> bool:
         """True in a child forked while the transfer ran: it goes on in the parent, never here."""
-        return self._generation != process_generation() and self._state == _PENDING
+        return self._generation != PROCESS.generation and self._state == _PENDING
 
     def _check_process(self) -> None:
         if self._in_parent_only():
