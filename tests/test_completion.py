@@ -337,6 +337,108 @@ def test_a_thread_blocked_in_result_is_rung_by_the_driver_and_ends_the_transfer_
         rig.close()
 
 
+class CountedSleeps(WakeSemaphore):
+    """A watcher's wake semaphore that counts the watcher's returns to sleep: each one follows a
+    finished look (or the first sleep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps = 0
+
+    def sleep(self, timeout: float) -> bool:
+        self.sleeps += 1
+        return super().sleep(timeout)
+
+
+class RecordedRings(StandInCopier):
+    """A stand-in copier that records every ring asked of the driver, as (event, semaphore)."""
+
+    def __init__(self, flag: StandInFlag) -> None:
+        super().__init__(flag)
+        self.rings: list = []
+
+    def ring_when_complete(self, event, alarm) -> None:
+        self.rings.append((event, alarm))
+        super().ring_when_complete(event, alarm)
+
+
+@pytest.mark.parametrize("reports_landings", [True, False], ids=["store, chunk by chunk", "load"])
+def test_the_watcher_leaves_the_last_copy_of_a_job_to_the_thread_asleep_on_it(monkeypatch, reports_landings):
+    """Behind a thread busy in Python, a transfer's end waits for each thread that wakes for it to take
+    the GIL in turn: for a job a thread sleeps on in result(), the watcher follows the copies before
+    the last (a store publishes them as they land) and asks no ring for the last one; the sleeper,
+    rung by the driver, ends the job alone."""
+    monkeypatch.setattr(landings_module, "take_wake_semaphore", CountedSleeps)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
+    rig = _Rig(copier)
+    watcher_semaphore = rig.watcher._semaphore
+    try:
+        transfer, steps, events = rig.start(3, reports_landings)
+        outcome: list[object] = []
+        waiter = threading.Thread(target=lambda: outcome.append(transfer.result()), name="blocked-waiter")
+        waiter.start()
+        spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
+                   what="the waiter asleep, its ring enqueued")
+        for i in range(2):  # a store's watcher looks after each copy but the last; a load's after its first only
+            looks = watcher_semaphore.sleeps
+            events[i].complete()
+            if reports_landings or i == 0:
+                spin_until(lambda: watcher_semaphore.sleeps > looks, what=f"the watcher's look after copy {i}")
+        assert steps.landings == ([0, 1] if reports_landings else []), "landings before the last not reported as they landed"
+        assert not [e for e, a in copier.rings if a is watcher_semaphore and e is events[-1]], "the watcher asked a ring for the last copy"
+        events[-1].complete()
+        waiter.join(HANG_S)
+        assert not waiter.is_alive() and len(outcome) == 1
+        assert steps.end_threads == ["blocked-waiter"] and steps.cleanups == 1
+        assert steps.landings == ([0, 1, 2] if reports_landings else [])
+        rig.look()
+        rig.dropped(steps)
+        assert len(steps.ends) == 1
+    finally:
+        rig.close()
+
+
+def test_a_job_left_by_its_sleeper_before_its_end_is_taken_back_by_the_watcher(monkeypatch):
+    """The watcher asked no ring for the last copy of a job a thread slept on; when that thread leaves
+    before the end (a cancel here, of a job without a cancel flag: nothing else rings the watcher),
+    the watcher takes the job back and ends it once its copies landed."""
+    monkeypatch.setattr(landings_module, "take_wake_semaphore", CountedSleeps)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
+    copier.take_cancel_flag = lambda: None  # as without the copy kernel
+    rig = _Rig(copier)
+    watcher_semaphore = rig.watcher._semaphore
+    try:
+        transfer, steps, events = rig.start(2)
+        outcome: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                transfer.result()
+            except BaseException as e:
+                outcome.append(e)
+
+        waiter = threading.Thread(target=wait, name="blocked-waiter")
+        waiter.start()
+        spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
+                   what="the waiter asleep, its ring enqueued")
+        looks = watcher_semaphore.sleeps
+        events[0].complete()
+        spin_until(lambda: watcher_semaphore.sleeps > looks, what="the watcher's look after copy 0")
+        assert not [e for e, a in copier.rings if a is watcher_semaphore and e is events[-1]]
+        assert transfer.cancel()
+        events[-1].complete()
+        waiter.join(HANG_S)
+        assert not waiter.is_alive() and len(outcome) == 1 and isinstance(outcome[0], kvoffload.TransferCancelled)
+        spin_until(lambda: steps.finished.is_set(), what="the job ended")
+        assert len(steps.ends) == 1 and steps.ends[0][2] and steps.cleanups == 1
+    finally:
+        rig.close()
+
+
 # -- cancelled -----------------------------------------------------------------------------------
 
 

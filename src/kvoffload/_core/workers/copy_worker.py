@@ -177,6 +177,12 @@ class CopyWorker:
             log.debug("%s: could not enqueue a ring for a waiting thread", self.name, exc_info=True)
             return False
 
+    def look_again(self) -> None:
+        """Have the landing watcher look at the copies it follows now (a thread that slept on a job's
+        last copy left before ending it)."""
+        if self._watcher is not None:
+            self._watcher.look_again()
+
     def close(self) -> None:
         """Free the copier's device resources (the worker has stopped)."""
         self._copier.close()

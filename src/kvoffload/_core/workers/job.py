@@ -240,6 +240,8 @@ class Job:
         finally:
             self.sleepers.remove(semaphore)
             give_back_wake_semaphore(semaphore)
+            if not self.ended:  # the watcher may have passed over the last copy's ring for this thread
+                worker.look_again()
 
     def cancel(self) -> None:
         """(Any thread, once :meth:`Transfer.cancel` recorded the request.) Stop what can be stopped: a

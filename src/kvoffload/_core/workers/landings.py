@@ -22,6 +22,12 @@ submission order), so one ring, for the oldest, is enough, and a look stops at t
 copy is still in flight; an event off those streams (a cancel flag's) asks for a ring of its own. A copy that failed on the device counts as completed, with the
 error (:func:`~..cuda.events.completed` raises it): its job fails, its callback gets it.
 
+A thread blocked in ``result()`` has the driver ring it for its job's last copy and ends the job
+itself (:meth:`~.job.Job.sleep_until_landed`); the watcher then asks no ring for that copy (it rings
+for a job of several copies at its first, so that it looks before the last), so that behind a thread
+busy in Python the end waits for one take of the GIL, not for the watcher's and then the sleeper's.
+A sleeper that leaves before the end has the watcher look again.
+
 Whoever else notices a landing first may end a job through the same path (a caller awaiting it,
 :meth:`~.job.Job.end_if_landed`); the watcher then drops it.
 """
@@ -155,12 +161,17 @@ class LandingWatcher:
                     self._jobs = [j for j in followed if id(j) not in done_jobs]
             if done_waits:
                 self._waits = [w for w in self._waits if id(w) not in done_waits]
-            ring = not self._ring_pending and bool(self._jobs or self._waits)
-            if ring:
-                self._ring_pending = True
-                oldest = _next_event(self._jobs[0]) if self._jobs else self._waits[0][0]
+            ring = False
+            if not self._ring_pending and (self._jobs or self._waits):
+                ring, oldest = _ring_for(self._jobs, self._waits)
+                self._ring_pending = ring
         if ring:
             self._ring_after(oldest)
+
+    def look_again(self) -> None:
+        """Sweep now (a thread that slept on a job's last copy left before ending it: the watcher,
+        which skipped that copy's ring, takes the job back)."""
+        self._semaphore.ring()
 
     def jobs(self) -> list[Job]:
         """The jobs it follows now."""
@@ -177,10 +188,31 @@ class LandingWatcher:
             give_back_wake_semaphore(self._semaphore)
 
 
+def _ring_for(jobs: list[Job], waits: list[tuple[CopyEvent, Landed]]) -> tuple[bool, CopyEvent | None]:
+    """What the watcher has the driver ring it for next: the next copy of the oldest job it follows,
+    passing over a job's last copy while a thread sleeps on it (:meth:`~.job.Job.sleep_until_landed`:
+    rung by the driver itself, that thread ends the job; behind a thread busy in Python, the end then
+    waits for one take of the GIL, not for the watcher's and then the sleeper's); else the oldest
+    single event. ``(False, None)``: nothing to ring for (the jobs passed over end by their sleepers,
+    or come back with :meth:`LandingWatcher.look_again`)."""
+    for job in jobs:
+        event = _next_event(job)
+        events = job.events
+        if event is not None and job.sleepers and events and event is events[-1] and not job.ended:
+            continue
+        return True, event
+    if waits:
+        return True, waits[0][0]
+    return False, None
+
+
 def _next_event(job: Job) -> CopyEvent | None:
-    """The copy of ``job`` to be rung for: its next one to land when it reports landings, else its last."""
+    """The copy of ``job`` to be rung for: its next one to land when it reports landings or on the
+    first look at a job of several copies (so that a look comes before the last one, which
+    :func:`_ring_for` may pass over), else its last."""
     events = job.events or []
-    candidates = events[job.next_landing:] if job.reports_landings else events[-1:]
+    several_unseen = job.next_landing == 0 and len(events) > 1
+    candidates = events[job.next_landing:] if job.reports_landings or several_unseen else events[-1:]
     if job.next_landing <= job.stop_at:  # cancelled, and the copy it ends with has not been seen complete
         candidates = events[job.stop_at : job.stop_at + 1] + candidates
     for event in candidates:
