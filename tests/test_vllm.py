@@ -103,6 +103,7 @@ def spec_and_worker(request, tmp_path):
     worker.shutdown()
 
 
+@pytest.mark.slow
 def test_scheduler_call_order_round_trips_byte_for_byte(spec_and_worker):
     spec, worker, caches, tiers, tmp_path = spec_and_worker
     assert isinstance(spec, __import__("kvoffload.vllm").vllm.KvoffloadSpec)
@@ -471,10 +472,23 @@ def config_of(extra: dict, world_size: int = 1, rank: int = 0, dp: int = 0) -> O
     ({"host_blocks": 16, "remote": ""}, r"\['remote'\]: '' is not a non-empty string"),
     ({"host_blocks": 16, "remote": "redis://cache:6379/0", "remote_write": "always"},
      r"\['remote_write'\]: 'always' is not one of 'through', 'evict', 'none'"),
+    ({"host_blocks": 16, "namespace": 3}, r"\['namespace'\]: 3 is not a non-empty string"),
+    ({"host_blocks": 16, "remote_secret": ["env:KVOFFLOAD_TEST_NEVER_SET"], "remote": "redis://cache:6379/0"},
+     r"KVOFFLOAD_TEST_NEVER_SET"),
+    ({"host_blocks": 16, "remote_secret": "env:KVOFFLOAD_TEST_NEVER_SET"}, r"remote_secret"),
 ])
 def test_the_extra_config_is_checked_strictly(extra, message):
     with pytest.raises(ValueError, match=message):
         OffloadingSpecFactory.create_spec(offloading_config(extra))
+
+
+def test_the_security_options_reach_the_offloader(monkeypatch):
+    """``remote_secret`` (an environment variable's name, or a list of them: JSON holds no bytes),
+    ``namespace`` and ``encryption_key`` pass to the offloader, checked by it when the spec is made."""
+    monkeypatch.setenv("KVOFFLOAD_TEST_SECRET", "s" * 32)
+    spec = OffloadingSpecFactory.create_spec(offloading_config(
+        {"host_blocks": 16, "remote": "redis://cache:6379/0", "remote_secret": ["env:KVOFFLOAD_TEST_SECRET"], "namespace": "tenant-a"}))
+    assert spec.options["remote_secret"] == ["env:KVOFFLOAD_TEST_SECRET"] and spec.options["namespace"] == "tenant-a"
 
 
 def test_sizes_take_binary_suffixes_and_are_totals_for_the_engines_ranks():
@@ -497,6 +511,7 @@ def test_sizes_take_binary_suffixes_and_are_totals_for_the_engines_ranks():
     assert spec.host_blocks == 1024 and spec.options["expedited_loads"] is False
 
 
+@pytest.mark.slow
 def test_engines_sharing_a_disk_path_never_share_a_file(tmp_path):
     workers = []
     try:

@@ -32,6 +32,7 @@ from ._core.workers import worker_loop as _worker_loop
 
 _slot_bytes_for = _layout.slot_bytes_for
 _parse_size = _options.parse_size
+_refuse_unknown_keys = _options.refuse_unknown_keys
 _WorkerLoop = _worker_loop.WorkerLoop
 del _layout, _options, _worker_loop
 

@@ -5,7 +5,7 @@
 >>> register(off2, name="gpu1")  # a second offloader, same collector: offloader="gpu1"
 
 Every scrape reads one :meth:`Offloader.stats` snapshot per offloader. The names, types and labels
-are listed in the README's metrics table and stay stable; every series carries the ``offloader``
+are listed in the table of docs/how-to/metrics.md and stay stable; every series carries the ``offloader``
 label, so any number of offloaders share one registry.
 """
 
@@ -181,7 +181,7 @@ def _families(snapshots: list[tuple[str, OffloaderStats, bool]], remote: bool) -
                 alone(lambda s: s.recovered))
     yield gauge("kvoffload_dropped_at_open_slots", "Slots of a persistent disk file whose header or checksum did not verify "
                 "when the offloader started.", alone(lambda s: s.dropped_at_open))
-    yield counter("kvoffload_checksum_failures", "Disk slots whose CRC32C did not match when loaded (verify=True).",
+    yield counter("kvoffload_checksum_failures", "Disk slots whose CRC32C (verify=True) or seal (remote_secret's MAC, encryption_key's decryption) failed when loaded.",
                   lambda s: s.checksum_failures)
     yield gauge("kvoffload_gpu_staging_bytes", "GPU memory held for staging copies.", alone(lambda s: s.gpu_staging_bytes))
 

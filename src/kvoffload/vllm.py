@@ -108,7 +108,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import difflib
 import functools
 import hashlib
 import logging
@@ -146,6 +145,7 @@ from . import _WorkerLoop as WorkerLoop
 from . import _check_remote_url as check_remote_url
 from ._vllm_versions import is_sync_load, manager_lock, sliding_window_chunks
 from . import _parse_size as parse_size
+from . import _refuse_unknown_keys as refuse_unknown_keys
 from . import _slot_bytes_for as slot_bytes_for
 
 log = logging.getLogger("kvoffload")
@@ -164,11 +164,11 @@ _SIZE_KEYS = ("host_bytes", "disk_bytes", "cpu_bytes_to_use", "chunk_bytes")
 _COUNT_KEYS = {"host_blocks": 0, "disk_blocks": 0, "io_threads": 1, "gather_ctas": 0}
 _BOOL_KEYS = ("use_page_cache", "expedited_loads", "use_batch_copy", "persist", "verify")
 _CHOICE_KEYS = {"copy_engine": ("kernel", "dma"), "remote_write": ("through", "evict", "none")}
-_TEXT_KEYS = ("fingerprint", "remote")
-_KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, *_TEXT_KEYS, "disk_path"})
+_TEXT_KEYS = ("fingerprint", "remote", "namespace", "encryption_key")
+_KVOFFLOAD_KEYS = frozenset({*_SIZE_KEYS, *_COUNT_KEYS, *_BOOL_KEYS, *_CHOICE_KEYS, *_TEXT_KEYS, "disk_path", "remote_secret"})
 _OFFLOADER_KEYS = ("chunk_bytes", "io_threads", "gather_ctas", "use_page_cache", "expedited_loads", "use_batch_copy",
                    "copy_engine", "persist", "verify", "fingerprint", "remote",
-                   "remote_write")
+                   "remote_write", "remote_secret", "namespace", "encryption_key")
 def _error(key: str, message: str) -> ValueError:
     return ValueError(f"kv_connector_extra_config[{key!r}]: {message}")
 
@@ -228,14 +228,7 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
     blocks (every rank holds its share of each). A rank's slot holds its bytes of one block,
     ``slot_bytes``.
     """
-    unknown = sorted(set(extra) - _KVOFFLOAD_KEYS - _VLLM_KEYS)
-    if unknown:
-        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, _KVOFFLOAD_KEYS, 1)) else repr(k)
-                 for k in unknown]
-        raise ValueError(
-            f"kv_connector_extra_config has unknown key(s) {', '.join(hints)}; kvoffload accepts "
-            f"{', '.join(sorted(_KVOFFLOAD_KEYS))}, and vLLM's own {', '.join(sorted(_VLLM_KEYS))}"
-        )
+    refuse_unknown_keys("kv_connector_extra_config", extra, _KVOFFLOAD_KEYS, "vLLM", _VLLM_KEYS)
     if extra.get("canonical_layout") not in (None, False):
         raise _error("canonical_layout", "kvoffload keeps each rank's pages as they are; canonical_layout is not supported")
     world_size = max(1, world_size)
@@ -286,6 +279,8 @@ def parse_extra_config(extra: Mapping[str, Any], *, slot_bytes: int, world_size:
             options[key] = _bool(key, value)
         elif key in _TEXT_KEYS:
             options[key] = _text(key, value)
+        elif key == "remote_secret":  # "env:NAME", or a list of them for a rotation (JSON holds no bytes)
+            options[key] = [_text(key, item) for item in value] if isinstance(value, list) else _text(key, value)
         elif value not in _CHOICE_KEYS[key]:
             raise _error(key, f"{value!r} is not one of {', '.join(map(repr, _CHOICE_KEYS[key]))}")
         else:

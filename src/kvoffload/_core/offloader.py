@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -107,15 +107,20 @@ class Offloader:
     ``bounce_bytes`` (the disk tier's IO unit through its pinned bounce buffers, default
     ``chunk_bytes``), ``io_threads`` (disk IO threads, default 4) and ``use_page_cache`` (buffered
     disk IO instead of O_DIRECT). ``disk_path`` and ``disk_blocks`` or ``disk_bytes`` add
-    the disk tier: see the README's section on it; with both tiers, loads of disk-resident keys
+    the disk tier: see docs/how-to/disk-tier.md; with both tiers, loads of disk-resident keys
     leave a copy in free host slots (``promote``, default True). ``persist=True`` keeps the disk
     tier across restarts for caches of one identity (the tensors' geometry and ``fingerprint``;
-    ``verify=True`` checks every slot's CRC32C when read): see the README's *Persistence*. ``remote`` (a Redis URL or a ``redis.asyncio``
+    ``verify=True`` checks every slot's CRC32C when read): see docs/how-to/persistence.md. ``remote`` (a Redis URL or a ``redis.asyncio``
     client) adds a tier shared by many serving nodes, for caches of one identity (the tensors'
     geometry, ``fingerprint``, ``remote_shard``): :meth:`alookup` counts its hits, ``load()`` reads
     them, and blocks are written to it in the background as their stores complete
-    (``remote_write="through"``), as they are evicted (``"evict"``), or never (``"none"``); see the README's *Sharing a cache across nodes*. Every memory taken is listed in the
-    README's *Sizing* section; ``start()`` refuses sizes that cannot fit before allocating.
+    (``remote_write="through"``), as they are evicted (``"evict"``), or never (``"none"``); see docs/how-to/remote.md.
+    ``remote_secret`` (authenticated remote values and persistent slots), ``namespace`` (the tenant,
+    part of the cache identity) and ``encryption_key`` (AES-256-GCM of disk slots and remote values)
+    are described in docs/security.md; ``start()`` raises :class:`StartError` when the remote
+    refuses this offloader for good (a wrong password, a missing ACL permission, no such database, a
+    TLS failure, an unknown host). Every memory taken is listed in
+    docs/how-to/sizing.md; ``start()`` refuses sizes that cannot fit before allocating.
     """
 
     def __init__(
@@ -143,6 +148,9 @@ class Offloader:
         remote: str | Any = Options.remote,
         remote_shard: str = Options.remote_shard,
         remote_write: Literal["through", "evict", "none"] = Options.remote_write,
+        remote_secret: bytes | str | Sequence[bytes | str] | None = Options.remote_secret,
+        namespace: str = Options.namespace,
+        encryption_key: bytes | str | None = Options.encryption_key,
     ) -> None:
         self._layout = BlockLayout.of(kv_caches, num_blocks)
         self._cuda = self._layout.is_cuda
@@ -155,6 +163,7 @@ class Offloader:
             gather_ctas=gather_ctas, copy_engine=copy_engine, use_batch_copy=use_batch_copy, io_threads=io_threads, use_page_cache=use_page_cache,
             expedited_loads=expedited_loads, promote=promote, persist=persist, fingerprint=fingerprint, verify=verify,
             remote=remote, remote_shard=remote_shard, remote_write=remote_write,
+            remote_secret=remote_secret, namespace=namespace, encryption_key=encryption_key,
         )
         if isinstance(self._options.remote, str):  # now, not at start(): before any disk file is made
             from .tiers.remote.redis_store import check_url  # redis-py is optional: imported only for a remote tier

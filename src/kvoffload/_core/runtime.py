@@ -32,6 +32,7 @@ from .workers.copier import make_block_copier
 from .base.diskfile import check_free_space, disk_file_path
 from .tiers.holds import Holds
 from .base.cache_identity import CacheIdentity
+from .base.sealing import Sealer
 from .base.options import Options, TierSlots, format_size
 from .tiers.stats import TierCounts, TransferCounters
 from .tiers.disk import DiskTier
@@ -299,7 +300,7 @@ class Runtime:
         self.final_counts: TierCounts | None = None
         """The tiers' counts as they closed: set before :attr:`storage` is dropped."""
         self.footprint = Footprint.of(layout, opts, slots)
-        """The memory this runtime takes (README, *Sizing*)."""
+        """The memory this runtime takes (docs/how-to/sizing.md)."""
         self.remote: RemoteTier | None = None
         """The remote tier, if any (made with :attr:`storage`; closed after the copy workers stop)."""
         self.remote_counts_closed = RemoteCounts()
@@ -318,7 +319,8 @@ class Runtime:
         with _live_lock:
             _live.add(self)
         try:
-            identity = CacheIdentity.of(caches, layout, opts.fingerprint) if opts.persist else None
+            sealer = Sealer(opts.remote_secret, opts.encryption_key)
+            identity = CacheIdentity.of(caches, layout, opts.fingerprint, namespace=opts.namespace) if opts.persist else None
             disk_path = disk_file_path(opts.disk_path, identity.digest if identity else None) if opts.disk_path else None
             check_sizes(layout, opts, slots, disk_path)
             expedited = opts.expedited_loads and layout.is_cuda  # see Options.expedited_loads
@@ -333,13 +335,14 @@ class Runtime:
                 chunk_blocks=layout.blocks_per_chunk(opts.chunk_bytes),
                 bounce_blocks=layout.blocks_per_chunk(opts.bounce_bytes or opts.chunk_bytes),
                 io_threads=opts.io_threads, use_page_cache=opts.use_page_cache, promote=opts.promote,
-                identity=identity, verify=opts.verify,
+                identity=identity, verify=opts.verify, sealer=sealer,
             )
             self.hold_expiry = HoldExpiry(self.storage.index.holds, self.workers[1].loop)
             if opts.remote is not None:
-                identity = CacheIdentity.of(caches, layout, opts.fingerprint, opts.remote_shard)
-                self.remote = RemoteTier(opts.remote, identity, self.storage.index, opts.remote_write)
+                identity = CacheIdentity.of(caches, layout, opts.fingerprint, opts.remote_shard, opts.namespace)
+                self.remote = RemoteTier(opts.remote, identity, self.storage.index, opts.remote_write, sealer)
                 self.storage.attach_remote(self.remote)
+                self.remote.start()  # StartError if the remote refuses this offloader for good
         except BaseException:
             try:
                 self._close_now(Deadline(5.0), failed_start=True)

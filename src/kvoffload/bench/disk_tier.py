@@ -3,6 +3,8 @@ store, load, spill, a busy thread beside it; the persistent tier beside the plai
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -186,6 +188,42 @@ def persistence_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.devic
                 note=f"{found_after_crash} entries in {crash_s * 1e3:.0f} ms: {nbytes / crash_s / 1e9:.2f} GB/s read")
         rep.row("store 4x larger than the host tier", "GB/s", best["large"], best["direct"], None,
                 note="ceiling = the same store with no host tier")
+        sealed_rows(rep, caches, blocks, tmp, kw, rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sealed_rows(rep: Report, caches: dict[str, torch.Tensor], blocks: dict[Hashable, int], tmp: str, kw: dict[str, Any], rounds: int) -> None:
+    """What sealing costs the disk tier (docs/security.md), each beside the same tier unsealed, in
+    alternating rounds: a persistent tier signed (``remote_secret``: HMAC-SHA256 on the IO threads),
+    signed and encrypted (``encryption_key``: AES-256-GCM), and a non-persistent tier encrypted."""
+    import secrets as random_bytes
+
+    if importlib.util.find_spec("cryptography") is None:
+        rep.skip("disk tier sealed", "the cryptography package is not installed (pip install 'kvoffload[crypto]')")
+        return
+    secret, key = random_bytes.token_bytes(32), random_bytes.token_bytes(32)
+    configs: dict[str, dict[str, Any]] = {
+        "persistent": {"persist": True},
+        "signed": {"persist": True, "remote_secret": secret},
+        "sealed": {"persist": True, "remote_secret": secret, "encryption_key": key},
+        "plain": {},
+        "encrypted": {"encryption_key": key},
+    }
+    figures: dict[str, list[float]] = {f"{c}_{d}": [] for c in configs for d in ("store", "load")}
+    with contextlib.ExitStack() as stack:
+        offs = {c: stack.enter_context(Offloader(caches, disk_path=os.path.join(tmp, f"sealed-{c}"), **kw, **extra)) for c, extra in configs.items()}
+        for _ in range(rounds):
+            for c, off in offs.items():
+                off.discard(list(blocks))
+                figures[f"{c}_store"].append(off.store(blocks).result().gbps)
+                figures[f"{c}_load"].append(off.load(blocks).result().gbps)
+    best = {k: max(v) for k, v in figures.items()}
+    for c, what, ceiling in (
+        ("signed", "persistent disk {}, signed (remote_secret)", "persistent"),
+        ("sealed", "persistent disk {}, signed + AES-256-GCM", "persistent"),
+        ("encrypted", "disk {} (not persistent), AES-256-GCM", "plain"),
+    ):
+        for d in ("store", "load"):
+            rep.row(what.format(d), "GB/s", best[f"{c}_{d}"], best[f"{ceiling}_{d}"], None, note="ceiling = the same tier unsealed")
 

@@ -138,3 +138,52 @@ def remote_scenarios(rep: Report, lay: Layout, gib: float, dev: torch.device, ro
     rep.row("remote load (alookup + load)", "GB/s", best["load"], best["get"], None)
     rep.row("remote load via disk slots (no host)", "GB/s", best["load_disk"], best["get"], None,
             note="a disk-only offloader: every block fetched and written to disk, then copied to the cache")
+    sealed_remote_rows(rep, lay, n, dev, rounds)
+
+
+def sealed_remote_rows(rep: Report, lay: Layout, n: int, dev: torch.device, rounds: int) -> None:
+    """What sealing costs the remote tier (docs/security.md): write-through and ``alookup`` + ``load``
+    with values unsealed, signed (``remote_secret``: HMAC-SHA256 on the store's helper threads) and
+    signed and encrypted (``encryption_key``: AES-256-GCM), in alternating rounds on one server."""
+    import secrets as random_bytes
+
+    if importlib.util.find_spec("cryptography") is None:
+        rep.skip("remote tier sealed", "the cryptography package is not installed (pip install 'kvoffload[crypto]')")
+        return
+    nbytes = n * lay.block_bytes
+    secret, key = random_bytes.token_bytes(32), random_bytes.token_bytes(32)
+    configs: dict[str, dict[str, object]] = {
+        "plain": {}, "signed": {"remote_secret": secret}, "sealed": {"remote_secret": secret, "encryption_key": key},
+    }
+    figures: dict[str, list[float]] = {f"{c}_{d}": [] for c in configs for d in ("store", "load")}
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_server())
+        pairs = {
+            c: (stack.enter_context(Offloader(lay.cache(n, dev), host_blocks=n, remote=url, **extra)),  # type: ignore[arg-type]
+                stack.enter_context(Offloader(lay.cache(n, dev), host_blocks=n, remote=url, remote_write="none", **extra)))  # type: ignore[arg-type]
+            for c, extra in configs.items()
+        }
+        for r in range(rounds):
+            for c, (writer, reader) in pairs.items():
+                keys = [f"sealed-{c}-{r}-{i}" for i in range(n)]
+                t0 = time.perf_counter()
+                writer.store({k: i for i, k in enumerate(keys)}).result()
+                while writer.stats().remote_writes_pending:
+                    time.sleep(0.001)
+                figures[f"{c}_store"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+                async def fetch() -> None:
+                    assert await reader.alookup(keys) == n
+                    await reader.load({k: i for i, k in enumerate(keys)})
+
+                t0 = time.perf_counter()
+                asyncio.run(fetch())
+                figures[f"{c}_load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                reader.discard(keys)
+                writer.discard(keys)
+    best = {k: max(v) for k, v in figures.items()}
+    for c, what in (("signed", "remote {}, signed (remote_secret)"), ("sealed", "remote {}, signed + AES-256-GCM")):
+        rep.row(what.format("store (write-through)"), "GB/s", best[f"{c}_store"], best["plain_store"], None,
+                note="ceiling = the same, values unsealed")
+        rep.row(what.format("load (alookup + load)"), "GB/s", best[f"{c}_load"], best["plain_load"], None,
+                note="ceiling = the same, values unsealed")

@@ -73,7 +73,11 @@ class CacheIdentity:
     ``tensors``: each cache tensor's name, dtype and the shape of one block in it; ``pieces``:
     where each piece of a block goes in a slot; ``slot_bytes``; ``fingerprint``: the caller's
     model identity (weights hash, name and revision); ``shard``: which shard of a sharded cache
-    (a tensor-parallel rank), if any.
+    (a tensor-parallel rank), if any; ``namespace``: the tenant (``namespace=``), if any, so that
+    caches of different tenants never share a block whatever their keys.
+
+    An identity without a namespace digests as it did before namespaces existed (the field is
+    left out of its JSON), so persistent files and remote values written then are found again.
     """
 
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -81,10 +85,12 @@ class CacheIdentity:
     slot_bytes: int
     fingerprint: str
     shard: str = ""
+    namespace: str = ""
 
     @classmethod
     def of(
         cls, kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout, fingerprint: str | bytes | None = None, shard: str = "",
+        namespace: str = "",
     ) -> CacheIdentity:
         """The identity of ``kv_caches`` (described by ``layout``) computing the model ``fingerprint``."""
         fp = fingerprint.hex() if isinstance(fingerprint, bytes) else (fingerprint or "")
@@ -94,14 +100,17 @@ class CacheIdentity:
             slot_bytes=layout.slot_bytes,
             fingerprint=fp,
             shard=shard,
+            namespace=namespace,
         )
 
     def to_json(self) -> str:
         """A canonical JSON text of the identity (what :attr:`digest` hashes; stored beside the data)."""
-        return json.dumps(
-            {"tensors": self.tensors, "pieces": self.pieces, "slot_bytes": self.slot_bytes, "fingerprint": self.fingerprint, "shard": self.shard},
-            sort_keys=True, separators=(",", ":"),
-        )
+        fields: dict[str, object] = {
+            "tensors": self.tensors, "pieces": self.pieces, "slot_bytes": self.slot_bytes, "fingerprint": self.fingerprint, "shard": self.shard,
+        }
+        if self.namespace:
+            fields["namespace"] = self.namespace
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> CacheIdentity:
@@ -112,6 +121,7 @@ class CacheIdentity:
                 tensors=tuple((str(n), str(dt), tuple(int(x) for x in shape)) for n, dt, shape in d["tensors"]),
                 pieces=tuple((str(n), int(o), int(b), tuple(int(x) for x in ix)) for n, o, b, ix in d["pieces"]),
                 slot_bytes=int(d["slot_bytes"]), fingerprint=str(d["fingerprint"]), shard=str(d["shard"]),
+                namespace=str(d.get("namespace", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a cache identity: {e}") from None
@@ -124,7 +134,7 @@ class CacheIdentity:
     def differences(self, other: CacheIdentity) -> list[str]:
         """What differs from ``other``, for people: ``["fingerprint: 'llama-a' here, 'llama-b' there"]``."""
         out = []
-        for name in ("tensors", "pieces", "slot_bytes", "fingerprint", "shard"):
+        for name in ("tensors", "pieces", "slot_bytes", "fingerprint", "shard", "namespace"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 out.append(f"{name}: {_short(mine)} here, {_short(theirs)} there")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["DEFAULT_HOST_BYTES", "MAX_SIZE", "Options", "TierSlots", "format_size", "parse_size"]
+from .sealing import encryption_key_of, secret_keys_of
+
+__all__ = ["DEFAULT_HOST_BYTES", "MAX_SIZE", "Options", "TierSlots", "format_size", "parse_size", "refuse_unknown_keys"]
 
 DEFAULT_HOST_BYTES = 1 << 30
 """The host tier's size when neither ``host_blocks`` nor ``host_bytes`` is given: 1 GiB worth of slots."""
@@ -100,7 +104,7 @@ class Options:
     """The disk tier's IO unit through its pinned bounce buffers (an int, or a string such as
     ``"32MiB"``, kept here as an int; rounded down to whole slots, at least one; at most
     ``chunk_bytes``): each bounce buffer has two halves of this size, so the disk IO of one half
-    overlaps the copy of the other. Default: ``chunk_bytes``. See the README's *Sizing*."""
+    overlaps the copy of the other. Default: ``chunk_bytes``. See docs/how-to/sizing.md."""
     gather_ctas: int = 0
     """GPU caches: CTAs per gather/scatter launch; 0 (the default) runs one per piece, the fastest on
     an idle GPU. A small number (8-32) leaves more SMs to the model's kernels and moves less per
@@ -136,7 +140,7 @@ class Options:
     """Keep the disk file across restarts: every slot is written with a header (key, length, cache
     identity, sequence number, CRC32C of the payload), an index checkpoint is written in the
     background and at close, and a later offloader with the same cache identity at the same
-    ``disk_path`` finds the entries again (see the README's *Persistence* section). Keys must be
+    ``disk_path`` finds the entries again (see docs/how-to/persistence.md). Keys must be
     ``bytes``, ``str`` or ``int``. Without it the disk file never outlives the process."""
     fingerprint: str | bytes | None = None
     """With ``persist``: the model's identity (a weights hash, a name and revision), part of the cache
@@ -150,7 +154,7 @@ class Options:
     ``RedisCluster`` client configured by the caller (TLS, AUTH, timeouts are then the caller's;
     the offloader uses it on its ``kvoffload-remote`` thread only, and never closes it). Keys must be
     ``bytes``, ``str`` or ``int``. A URL is checked when the ``Offloader`` is made, without connecting
-    (scheme, port, db, query arguments). See the README's *Sharing a cache across nodes*."""
+    (scheme, port, db, query arguments). See docs/how-to/remote.md."""
     remote_shard: str = ""
     """Which shard of a sharded cache this offloader holds (the tensor-parallel rank): part of the
     cache identity, so ranks never read each other's blocks."""
@@ -159,6 +163,23 @@ class Options:
     (other nodes see them soon after); ``"evict"``, as the local tiers evict them (the remote holds
     what this node let go; evicted blocks wait in a staging buffer of ``bounce_bytes``, and those that
     find it full are not sent); ``"none"``: the remote is only read from."""
+    remote_secret: Any = None
+    """Authenticates what the shared and persistent tiers hand back (docs/security.md): every remote
+    value and persistent slot written carries an HMAC-SHA256 tag of this secret, and one that fails
+    its check is never loaded (a counted miss on the remote, a dropped slot on disk). Bytes (at least
+    16; 32 random bytes are the advice), ``"env:NAME"`` (read from that environment variable when the
+    ``Offloader`` is made), or a list of them for a rotation: the first signs, all are accepted.
+    Kept here as :class:`~.sealing.SecretKeys`, which never shows them. Needs ``remote`` or ``persist``."""
+    namespace: str = ""
+    """The tenant: part of the cache identity, so offloaders of different namespaces never see each
+    other's blocks on disk or on the remote, whatever their keys (docs/security.md). Up to 128
+    printable characters; ``""``: none."""
+    encryption_key: Any = None
+    """Encrypts the disk tier's slots and the remote values with AES-256-GCM (needs the
+    ``cryptography`` package: ``kvoffload[crypto]``): 32 bytes, ``"env:NAME"`` (64 hex digits or
+    base64 in that variable) or ``"file:PATH"`` (a file only its owner can read), read when the
+    ``Offloader`` is made; kept as :class:`~.sealing.EncryptionKey`, which never shows it. Needs a
+    disk tier or ``remote``."""
 
     def __post_init__(self) -> None:
         for tier in ("host", "disk"):
@@ -219,6 +240,7 @@ class Options:
         for name in ("use_batch_copy", "use_page_cache", "expedited_loads", "promote", "persist", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        _check_security(self)
 
 
     def tier_slots(self, slot_bytes: int) -> TierSlots:
@@ -246,6 +268,20 @@ class Options:
         return TierSlots(host, disk, host_given, disk_given)
 
 
+def _check_security(opts: Options) -> None:
+    """``remote_secret``, ``namespace`` and ``encryption_key``, normalised in place."""
+    object.__setattr__(opts, "remote_secret", secret_keys_of(opts.remote_secret))
+    if opts.remote_secret is not None and opts.remote is None and not opts.persist:
+        raise ValueError("remote_secret needs remote or persist=True (it authenticates the remote values and persistent slots)")
+    if not isinstance(opts.namespace, str):
+        raise TypeError(f"namespace must be a str, got {type(opts.namespace).__name__}")
+    if len(opts.namespace) > 128 or not opts.namespace.isprintable():
+        raise ValueError(f"namespace is up to 128 printable characters, got {_shown(opts.namespace)} ({len(opts.namespace)} characters)")
+    object.__setattr__(opts, "encryption_key", encryption_key_of(opts.encryption_key))
+    if opts.encryption_key is not None and opts.remote is None and opts.disk_path is None:
+        raise ValueError("encryption_key needs a disk tier or remote (it encrypts disk slots and remote values)")
+
+
 def _check_remote(remote: object) -> None:
     try:
         from redis.asyncio import Redis
@@ -268,3 +304,17 @@ def _check_count(name: str, value: object, *, minimum: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def refuse_unknown_keys(config: str, given: Iterable[str], accepted: frozenset[str], engine: str, engine_keys: frozenset[str]) -> None:
+    """``ValueError`` naming the keys of an engine's config (``config``: its name) that neither kvoffload
+    (``accepted``) nor the engine itself (``engine_keys``) reads, each with the closest accepted key."""
+    unknown = sorted(set(given) - accepted - engine_keys)
+    if not unknown:
+        return
+    hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, accepted, 1)) else repr(k)
+             for k in unknown]
+    raise ValueError(
+        f"{config} has unknown key(s) {', '.join(hints)}; kvoffload accepts {', '.join(sorted(accepted))}, "
+        f"beside {engine}'s own {', '.join(sorted(engine_keys))}"
+    )

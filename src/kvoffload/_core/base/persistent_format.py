@@ -12,6 +12,13 @@ so every O_DIRECT call stays aligned and a slot's header and payload go to disk 
 order slots were written in) and the *namespace*, a digest of identity and epoch; a page of
 zeros (a *tombstone*) marks a slot whose entry was discarded. Headers carry their own CRC32C.
 
+A sealed slot (``remote_secret=``, ``encryption_key=``: :mod:`.sealing`) also carries a *seal* at
+the end of its header page: flags (1 signed, 2 encrypted), the signing secret's key id, the
+AES-GCM nonce and tag of an encrypted payload, and last an HMAC-SHA256 tag over every byte of the
+page before it and the stored payload. The payload's CRC32C is that of the bytes stored (the
+ciphertext, when encrypted). A page without a seal reads as unsealed: files written before
+sealing existed open as they did, and a sealed tier drops their slots.
+
 The checkpoint (``disk_path + ".checkpoint"``) lists the disk tier's entries, least recently
 used first, each with its slot, sequence number and payload CRC, and ends with a CRC32C of the
 whole file. It is written to a temporary name and renamed over the last one, so a crash leaves
@@ -26,8 +33,11 @@ from typing import Any
 
 import crc32c
 
+from .sealing import KID_BYTES, MAC_BYTES, NONCE_BYTES, TAG_BYTES
+
 __all__ = [
-    "CHECKPOINT_SUFFIX", "HEADER_BYTES", "Checkpoint", "CheckpointRecord", "FileHeader", "HeaderDamaged", "SlotHeader", "crc32c_of",
+    "CHECKPOINT_SUFFIX", "ENCRYPTED", "HEADER_BYTES", "SIGNED", "Checkpoint", "CheckpointRecord", "FileHeader", "HeaderDamaged", "SlotHeader",
+    "crc32c_of",
 ]
 
 HEADER_BYTES = 4096
@@ -44,6 +54,12 @@ _CHECKPOINT_MAGIC = b"KVCKPT\x00\x01"
 _CHECKPOINT_FIXED = struct.Struct("<8s16sQQB")  # magic, namespace, next seq, records, clean
 _RECORD = struct.Struct("<QQII")  # slot, seq, payload crc, key length
 _CRC = struct.Struct("<I")
+_SEAL_MAGIC = b"KVSEAL\x00\x01"
+_SEAL = struct.Struct(f"<8sI{KID_BYTES}s{NONCE_BYTES}s{TAG_BYTES}s")  # magic, flags, key id, nonce, GCM tag; then the MAC
+_SEAL_AT = HEADER_BYTES - _SEAL.size - MAC_BYTES
+"""Where a slot header page's seal starts (the MAC ends the page)."""
+SIGNED, ENCRYPTED = 1, 2
+"""Flags of a sealed slot."""
 _MAX_FILE_HEADER = 64 << 20
 """The largest file header read (a cache identity of a million tensors is well below)."""
 
@@ -128,14 +144,35 @@ class SlotHeader:
     payload_crc: int
     key: bytes
     """The encoded key (:func:`~.cache_identity.encode_key`)."""
+    flags: int = 0
+    """Sealed: :data:`SIGNED`, :data:`ENCRYPTED`, both; 0 for an unsealed slot."""
+    kid: bytes = bytes(KID_BYTES)
+    nonce: bytes = bytes(NONCE_BYTES)
+    tag: bytes = bytes(TAG_BYTES)
+    """The AES-GCM tag of an encrypted payload."""
+    mac: bytes = bytes(MAC_BYTES)
+    """The HMAC-SHA256 tag of a signed slot, over :meth:`signed_part` of its page and the payload."""
 
     def pack_into(self, page: memoryview) -> None:
-        """Write this header over ``page`` (``HEADER_BYTES``, zeroed past the header)."""
+        """Write this header over ``page`` (``HEADER_BYTES``, zeroed past the header but for a seal)."""
         body = _SLOT_FIXED.pack(_SLOT_MAGIC, self.namespace, self.seq, self.payload_bytes, self.payload_crc, len(self.key)) + self.key
         end = len(body) + _CRC.size
         page[: len(body)] = body
         page[len(body) : end] = _CRC.pack(crc32c_of(body))
         page[end:] = bytes(len(page) - end)
+        if self.flags:
+            page[_SEAL_AT : _SEAL_AT + _SEAL.size] = _SEAL.pack(_SEAL_MAGIC, self.flags, self.kid, self.nonce, self.tag)
+            page[HEADER_BYTES - MAC_BYTES :] = self.mac
+
+    @staticmethod
+    def signed_part(page: memoryview) -> memoryview:
+        """What a slot's MAC covers of its header page: every byte before the MAC."""
+        return page[: HEADER_BYTES - MAC_BYTES]
+
+    @staticmethod
+    def set_mac(page: memoryview, mac: bytes) -> None:
+        """Write a signed slot's MAC into its packed ``page``."""
+        page[HEADER_BYTES - MAC_BYTES :] = mac
 
     @classmethod
     def parse(cls, page: bytes | memoryview) -> SlotHeader | None:
@@ -148,7 +185,11 @@ class SlotHeader:
             return None
         if _CRC.unpack_from(page, end)[0] != crc32c_of(page[:end]):
             return None
-        return cls(bytes(namespace), seq, payload_bytes, payload_crc, bytes(page[_SLOT_FIXED.size : end]))
+        seal: tuple[Any, ...] = ()
+        if len(page) == HEADER_BYTES and end + _CRC.size <= _SEAL_AT and bytes(page[_SEAL_AT : _SEAL_AT + 8]) == _SEAL_MAGIC:
+            _, flags, kid, nonce, tag = _SEAL.unpack_from(page, _SEAL_AT)
+            seal = (flags, bytes(kid), bytes(nonce), bytes(tag), bytes(page[HEADER_BYTES - MAC_BYTES :]))
+        return cls(bytes(namespace), seq, payload_bytes, payload_crc, bytes(page[_SLOT_FIXED.size : end]), *seal)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ from ..base.diskfile import DiskFile, IoBatch, io_jobs
 from ..base.helper_threads import mark_own_thread
 from .hostmem import HostBuffer
 from ..base.cache_identity import CacheIdentity
+from ..base.sealing import Sealer
+from .encrypted_slots import EncryptedSlots
 from ..workers.copy_submission import CopyRequest
 from ..workers.copy_worker import CopyWorkers
 from ..base.layout import BlockLayout
@@ -152,10 +154,12 @@ class DiskTier:
         job_bytes: int = 8 << 20,
         identity: CacheIdentity | None = None,
         verify: bool = False,
+        sealer: Sealer | None = None,
     ) -> None:
         """``identity``: make the tier persistent, for a cache of this identity (reopening the file
         at ``path`` if it has the same; see :attr:`recovered`); ``verify``: check every slot's CRC32C
-        when it is read."""
+        when it is read; ``sealer``: a persistent tier signs and/or encrypts its slots with it, any
+        other encrypts them if it has a key (``remote_secret=``, ``encryption_key=``)."""
         self.layout = layout
         self.slots = slots
         self.workers = workers
@@ -169,15 +173,21 @@ class DiskTier:
         """What a reopen of a persistent file found (nothing for a new or non-persistent file)."""
         self._snapshot: Callable[[], list[tuple[Hashable, int]]] | None = None
         self._checkpoints: Any = None
+        self.encrypted: EncryptedSlots | None = None
+        """A non-persistent tier's encryption (``encryption_key=``)."""
         if identity is None:
             self.file = DiskFile(path, slots * layout.slot_bytes, use_page_cache=use_page_cache)
+            if sealer is not None and sealer.key is not None:
+                self.encrypted = EncryptedSlots(self.file, slots, layout.slot_bytes, layout.block_bytes, sealer.key)
         else:
             probe = PersistentSlots.file_bytes_of(slots, layout.slot_bytes, identity)
             self.file = DiskFile(path, probe, use_page_cache=use_page_cache, persistent=True)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-io", initializer=mark_own_thread)
         try:
             if identity is not None:
-                self.persistent = PersistentSlots(self.file, slots, layout.slot_bytes, layout.block_bytes, identity, verify=verify)
+                self.persistent = PersistentSlots(
+                    self.file, slots, layout.slot_bytes, layout.block_bytes, identity, verify=verify, sealer=sealer,
+                )
                 self.recovered = self.persistent.open(self.pool)
             # two halves of chunk_blocks slots each, per direction that needs one
             for _ in range(2 if store_bounce else 1):
@@ -199,6 +209,8 @@ class DiskTier:
         if self.persistent is not None:
             assert len(keys) == len(slots), "a persistent tier writes each slot with its key"
             return IoBatch(self.pool, self.persistent.write_calls([host[r] for r in rows], slots, keys, self.job_bytes))
+        if self.encrypted is not None:
+            return IoBatch(self.pool, self.encrypted.write_calls([host[r] for r in rows], slots, self.job_bytes))
         jobs = io_jobs(host, rows, slots, self.job_bytes)
         return IoBatch(self.pool, [functools.partial(self.file.write, bufs, off) for off, bufs in jobs])
 
@@ -208,6 +220,8 @@ class DiskTier:
         (``OSError(EBADMSG)``) and its entry is dropped."""
         if self.persistent is not None:
             return IoBatch(self.pool, self.persistent.read_calls([host[r] for r in rows], slots, self.job_bytes))
+        if self.encrypted is not None:
+            return IoBatch(self.pool, self.encrypted.read_calls([host[r] for r in rows], slots, self.job_bytes))
         jobs = io_jobs(host, rows, slots, self.job_bytes)
         return IoBatch(self.pool, [functools.partial(self.file.read, bufs, off) for off, bufs in jobs])
 

@@ -18,6 +18,13 @@ Formats: :mod:`..persistent_format`. What holds, and why:
   CRC. On reopen, every header is read; a header that matches its checkpoint record is trusted;
   any other valid header (a slot written after the last checkpoint) is trusted only once its
   payload's CRC32C verifies. Of two slots with one key the later one counts.
+- Sealed (``remote_secret=``, ``encryption_key=``): every slot written is signed (HMAC-SHA256 over
+  its header page and stored payload) and/or encrypted (AES-256-GCM, a nonce per write, the file's
+  namespace, the sequence number and the key as associated data), on the IO thread that writes
+  it; every read checks the MAC before the payload is handed on, then decrypts it. A slot that
+  fails is dropped as a damaged one is (``OSError(EBADMSG)``, counted in ``checksum_failures``):
+  a slot another process wrote without the secret is never loaded. A reopen drops every slot not
+  sealed as this tier seals (a file written before, or with other options), so it starts over.
 - Checkpoints are written by an IO thread every :data:`CHECKPOINT_INTERVAL_S` while anything
   changed, and at close. Their cost is building the record list (Python) and one sequential
   write, so they run whole on an IO thread: an async file API (aiofiles) would only move the
@@ -50,8 +57,9 @@ from ..base.errors import OffloadError
 from ..base.diskfile import IOV_MAX, DiskFile
 from ..base.layout import runs
 from ..base.persistent_format import (
-    CHECKPOINT_SUFFIX, HEADER_BYTES, Checkpoint, CheckpointRecord, FileHeader, HeaderDamaged, SlotHeader, crc32c_of,
+    CHECKPOINT_SUFFIX, ENCRYPTED, HEADER_BYTES, SIGNED, Checkpoint, CheckpointRecord, FileHeader, HeaderDamaged, SlotHeader, crc32c_of,
 )
+from ..base.sealing import KID_BYTES, TAG_BYTES, BadSeal, Sealer
 
 __all__ = ["CHECKPOINT_INTERVAL_S", "PersistentSlots", "Recovered"]
 
@@ -63,6 +71,8 @@ CHECKPOINT_INTERVAL_S = 5.0
 
 _VOIDS_PER_JOB = 64
 """Header voids an IO thread makes in one go when many slots are voided at once."""
+_PURPOSE = b"kvoffload disk slot\0"
+"""What a slot's MAC starts with (no tag of another kind of record is ever a slot's)."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +94,12 @@ class PersistentSlots:
 
     def __init__(
         self, file: DiskFile, slots: int, slot_bytes: int, block_bytes: int, identity: CacheIdentity, *, verify: bool,
+        sealer: Sealer | None = None,
     ) -> None:
         self.file = file
+        self.sealer = sealer if sealer is not None else Sealer()
+        self.flags = (SIGNED if self.sealer.secrets is not None else 0) | (ENCRYPTED if self.sealer.key is not None else 0)
+        """What every slot of this tier is sealed with (:mod:`..base.persistent_format`)."""
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.block_bytes = block_bytes
@@ -224,8 +238,8 @@ class PersistentSlots:
             if h is None or h.namespace != self.namespace:
                 continue  # empty, or written before the file was last started empty
             r = listed.get(slot)
-            if slot >= intact or h.payload_bytes != self.block_bytes or (r is not None and r.seq > h.seq):
-                void.append(slot)  # cut short, or older than the write the checkpoint saw land there (a lost write)
+            if slot >= intact or h.payload_bytes != self.block_bytes or (r is not None and r.seq > h.seq) or h.flags != self.flags:
+                void.append(slot)  # cut short, older than the write the checkpoint saw land there (a lost write), sealed otherwise
             elif r is not None and (r.seq, r.payload_crc, r.key) == (h.seq, h.payload_crc, h.key):
                 trusted[slot] = h
             else:
@@ -300,7 +314,9 @@ class PersistentSlots:
             try:
                 slot, h = candidates[i]
                 self.file.read([buf], self.offset(slot) + HEADER_BYTES)
-                ok[i] = crc32c_of(memoryview(buf)[: self.block_bytes]) == h.payload_crc
+                stored = memoryview(buf)[: self.block_bytes]
+                ok[i] = crc32c_of(stored) == h.payload_crc and self._authentic(h, stored)
+                stored.release()
             finally:
                 buf.close()
 
@@ -328,13 +344,17 @@ class PersistentSlots:
 
     def _write(self, group: range, rows: Sequence[Any], slots: Sequence[int], keys: list[bytes], seqs: list[int]) -> None:
         view = memoryview(mmap.mmap(-1, HEADER_BYTES * len(group)))  # page aligned; freed with its last view
+        ciphertext = self._ciphertext_rows(len(group))
         buffers: list[Any] = []
         written = []
         for n, i in enumerate(group):
             payload = memoryview(rows[i]).cast("B")
-            crc = crc32c_of(payload[: self.block_bytes])
             page = view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
-            SlotHeader(self.namespace, seqs[i], self.block_bytes, crc, keys[i]).pack_into(page)
+            if self.flags:
+                payload, crc = self._seal(page, payload, ciphertext[n] if ciphertext else None, seqs[i], keys[i])
+            else:
+                crc = crc32c_of(payload[: self.block_bytes])
+                SlotHeader(self.namespace, seqs[i], self.block_bytes, crc, keys[i]).pack_into(page)
             buffers += [page, payload]
             written.append((slots[i], (seqs[i], crc, keys[i])))
         mine = [slots[i] for i in group]
@@ -355,6 +375,53 @@ class PersistentSlots:
             self._written.update(written)
             self._changes += 1
 
+    # -- sealing (on IO threads) -------------------------------------------------------
+
+    def _ciphertext_rows(self, n: int) -> list[memoryview]:
+        """``n`` page-aligned rows of a slot and a page each (ciphertext and its tag), for an
+        encrypted tier; [] otherwise. Freed with their last view."""
+        if not self.flags & ENCRYPTED:
+            return []
+        stride = self.slot_bytes + HEADER_BYTES
+        memory = memoryview(mmap.mmap(-1, stride * n))
+        return [memory[j * stride : (j + 1) * stride] for j in range(n)]
+
+    def _aad(self, seq: int, key: bytes) -> bytes:
+        return self.namespace + seq.to_bytes(8, "little") + key
+
+    def _seal(self, page: memoryview, payload: memoryview, out: memoryview | None, seq: int, key: bytes) -> tuple[memoryview, int]:
+        """Pack the sealed header of ``payload`` into ``page``; what to write as the payload (its
+        ciphertext in ``out`` when encrypted, else ``payload``) and its CRC32C."""
+        nonce, tag = bytes(12), bytes(TAG_BYTES)
+        stored = payload
+        if out is not None and self.sealer.key is not None:
+            nonce = self.sealer.nonce()
+            self.sealer.key.encrypt_into(nonce, payload[: self.block_bytes], self._aad(seq, key), out[: self.block_bytes + TAG_BYTES])
+            tag = bytes(out[self.block_bytes : self.block_bytes + TAG_BYTES])
+            out[self.block_bytes : self.slot_bytes] = bytes(self.slot_bytes - self.block_bytes)
+            stored = out[: self.slot_bytes]
+        secrets_ = self.sealer.secrets
+        kid = secrets_.signing_kid if secrets_ is not None else bytes(KID_BYTES)
+        crc = crc32c_of(stored[: self.block_bytes])
+        SlotHeader(self.namespace, seq, self.block_bytes, crc, key, self.flags, kid, nonce, tag).pack_into(page)
+        if secrets_ is not None:
+            SlotHeader.set_mac(page, secrets_.sign((_PURPOSE, SlotHeader.signed_part(page), stored[: self.block_bytes])))
+        return stored, crc
+
+    def _authentic(self, h: SlotHeader, stored: memoryview) -> bool:
+        """Whether slot header ``h`` is sealed as this tier seals and its MAC (if signed) matches ``stored``."""
+        if h.flags != self.flags:
+            return False
+        if self.sealer.secrets is None:
+            return True
+        page = memoryview(bytearray(HEADER_BYTES))
+        h.pack_into(page)
+        try:
+            self.sealer.secrets.check(h.kid, h.mac, (_PURPOSE, SlotHeader.signed_part(page), stored))
+        except BadSeal:
+            return False
+        return True
+
     def read_calls(self, rows: Sequence[Any], slots: Sequence[int], job_bytes: int) -> list[Callable[[], None]]:
         """IO calls reading slot ``slots[i]`` into ``rows[i]``, each header checked against what the
         slot should hold (and, with ``verify``, the payload's CRC32C)."""
@@ -362,16 +429,19 @@ class PersistentSlots:
 
     def _read(self, group: range, rows: Sequence[Any], slots: Sequence[int]) -> None:
         view = memoryview(mmap.mmap(-1, HEADER_BYTES * len(group)))
+        ciphertext = self._ciphertext_rows(len(group))  # encrypted: read there, decrypted into the rows once checked
         buffers: list[Any] = []
         for n, i in enumerate(group):
-            buffers += [view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], memoryview(rows[i]).cast("B")]
+            stored = ciphertext[n][: self.slot_bytes] if ciphertext else memoryview(rows[i]).cast("B")
+            buffers += [view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], stored]
         self.file.read(buffers, self.offset(slots[group[0]]))
         for n, i in enumerate(group):
-            self._check(slots[i], buffers[2 * n], buffers[2 * n + 1])
+            self._check(slots[i], buffers[2 * n], buffers[2 * n + 1], ciphertext[n] if ciphertext else None, memoryview(rows[i]).cast("B"))
 
-    def _check(self, slot: int, page: memoryview, payload: memoryview) -> None:
+    def _check(self, slot: int, page: memoryview, payload: memoryview, sealed: memoryview | None = None, out: memoryview | None = None) -> None:
         """Raise ``OSError(EBADMSG)`` unless ``slot`` holds what was written there (and, with
-        ``verify``, its payload's CRC32C matches); the entry is then dropped (:attr:`on_bad_slot`)."""
+        ``verify``, its payload's CRC32C matches; sealed, its MAC matches and, encrypted, it decrypts
+        from ``sealed`` into ``out``); the entry is then dropped (:attr:`on_bad_slot`)."""
         want = self._written.get(slot)
         h = SlotHeader.parse(page)
         problem = ""
@@ -379,6 +449,15 @@ class PersistentSlots:
             problem = "its header is not the one written there"
         elif self.verify and crc32c_of(payload[: self.block_bytes]) != want[1]:
             problem = "its payload fails its CRC32C"
+        elif self.flags and not self._authentic(h, payload[: self.block_bytes]):
+            problem = "it fails its MAC or is not sealed as this tier seals: written by someone without the secret, or altered"
+        elif sealed is not None and out is not None and self.sealer.key is not None:
+            sealed[self.block_bytes : self.block_bytes + TAG_BYTES] = h.tag
+            try:
+                self.sealer.key.decrypt_into(h.nonce, sealed[: self.block_bytes + TAG_BYTES], self._aad(h.seq, h.key), out[: self.block_bytes])
+            except BadSeal as e:
+                problem = str(e)
+        if problem and problem != "its header is not the one written there":
             with self._lock:
                 self.checksum_failures += 1
         if problem:

@@ -40,10 +40,11 @@ import numpy as np
 from ..base.async_backends import settled, wakeup
 from ..base.cache_identity import CacheIdentity, encode_key
 from ..base.deadline import Deadline
-from ..base.errors import ClosedError, MissingKeysError, TransferError
+from ..base.errors import ClosedError, MissingKeysError, StartError, TransferError
+from ..base.sealing import Sealer
 from .hostmem import HostBuffer
 from .index import DISK, HOST, BlockIndex, Evicted, Pin
-from .remote import RemoteStore, RemoteUnavailableError
+from .remote import RemoteRefusedError, RemoteStore, RemoteUnavailableError
 from ..workers.worker_loop import WorkerLoop
 from .disk import DiskTier
 
@@ -63,6 +64,10 @@ _MAX_REMEMBERED = 1 << 16
 """The most keys remembered as found (or as missing); the oldest go first."""
 REMOTE_WRITE_MODES = ("through", "evict", "none")
 """When blocks are sent to the remote: as their store completes, as the local tiers evict them, never."""
+START_CHECK_S = 2.0
+"""How long :meth:`RemoteTier.start` waits for the remote's answer before it starts without one (a
+refused connection, a wrong password or an unknown host answer within milliseconds; a server
+that does not answer is not waited for: the check is cancelled and the tier starts)."""
 
 
 @dataclass(frozen=True)
@@ -135,11 +140,12 @@ class RemoteTier:
     """The remote store of one cache identity, on its own worker loop (see the module docstring).
 
     ``target``: a Redis URL or a caller-configured ``redis.asyncio`` client (used on the tier's loop
-    only, from then on); ``write``: one of :data:`REMOTE_WRITE_MODES`. :meth:`attach` tells it the
-    local tiers.
+    only, from then on); ``write``: one of :data:`REMOTE_WRITE_MODES`; ``sealer``: what values are
+    signed and encrypted with (``remote_secret=``, ``encryption_key=``). :meth:`attach` tells it the
+    local tiers; :meth:`start` checks the remote once.
     """
 
-    def __init__(self, target: object, identity: CacheIdentity, index: BlockIndex, write: str) -> None:
+    def __init__(self, target: object, identity: CacheIdentity, index: BlockIndex, write: str, sealer: Sealer | None = None) -> None:
         assert write in REMOTE_WRITE_MODES
         self.index = index
         self.write = write
@@ -160,8 +166,35 @@ class RemoteTier:
         self._stopped = False
         from .remote.redis_store import RedisStore  # redis-py is optional: imported only for a remote tier
 
-        self.store: RemoteStore = RedisStore(target, identity.digest)  # type: ignore[arg-type]  # Options checked the type
+        self.sealer = sealer if sealer is not None else Sealer()
+        self.store: RemoteStore = RedisStore(target, identity.digest, sealer=self.sealer)  # type: ignore[arg-type]  # Options checked the type
         self.worker = WorkerLoop("kvoffload-remote")
+
+    def start(self, timeout_s: float = START_CHECK_S) -> None:
+        """Check the remote once, at ``start()``: one round trip doing what this tier will do.
+        :class:`StartError` when the remote refuses it for good (a wrong password, a missing
+        permission, no such database, a TLS failure, an unknown host), naming the cause and the URL
+        without its password; a remote that cannot be reached now (down, refused, timed out) is
+        said once and the tier starts anyway, retrying with backoff at the calls that need it."""
+        where = getattr(self.store, "where", "the remote store")
+        if self.sealer.secrets is None:
+            log.warning(
+                "kvoffload: the remote tier at %s trusts every writer of that server: any client that can write there can "
+                "make this node load blocks of its choosing; give remote_secret= to authenticate values (docs/security.md)", where,
+            )
+        outcome, cancel = self._run(lambda: self.store.check_access(write=self.write != "none"))
+        try:
+            outcome.result(timeout_s)
+        except RemoteRefusedError as e:
+            raise StartError(f"the remote store {where} refused this offloader: {e.cause}; check the URL, password and ACL") from e
+        except RemoteUnavailableError:
+            pass  # down for now: the store said so, once for the outage; the tier starts and retries with backoff
+        except concurrent.futures.TimeoutError:
+            cancel()
+            log.warning(
+                "kvoffload: the remote store %s did not answer within %.0f s at start; starting without it, retrying with backoff",
+                where, timeout_s,
+            )
 
     def attach(self, host_rows: np.ndarray | None, disk: DiskTier | None, staging_slots: int) -> None:
         """Tell the tier the local tiers (the storage calls it once, before any transfer): the host

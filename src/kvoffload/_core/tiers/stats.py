@@ -109,7 +109,7 @@ class OffloaderStats:
     """Slots of a persistent disk file whose header or checksum did not verify when the offloader
     started: torn or stale writes, never served."""
     checksum_failures: int = 0
-    """Disk slots whose CRC32C did not match when loaded (``verify=True``): each failed its load."""
+    """Disk slots whose CRC32C (``verify=True``) or seal (``remote_secret``: MAC; ``encryption_key``: decryption) failed when loaded: each failed its load."""
     gpu_staging_bytes: int = 0
     """GPU memory kvoffload holds for staging copies (GPU caches with ``copy_engine="kernel"``)."""
     remote_lookup_hits: int = 0
@@ -119,7 +119,8 @@ class OffloaderStats:
     remote_misses: int = 0
     """Keys loads asked the remote for and did not get (gone since ``alookup()``, or rejected): each failed its load."""
     remote_bad_values: int = 0
-    """Of those, values rejected by the checks (another key's, another cache's, truncated, corrupted)."""
+    """Of those, values rejected by the checks (another key's, another cache's, truncated, corrupted;
+    with ``remote_secret``, unsigned or forged; with ``encryption_key``, failing decryption)."""
     remote_unavailable: int = 0
     """Remote calls that found it unreachable (lookups then count local hits only, loads and writes fail)."""
     remote_writes: int = 0
@@ -145,7 +146,7 @@ class PersistentCounts:
     dropped_at_open: int = 0
     """Slots whose header or checksum did not verify at start."""
     checksum_failures: int = 0
-    """Slots whose CRC32C did not match when loaded."""
+    """Slots whose CRC32C or seal (MAC, decryption) failed when loaded."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from .index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..workers.copy_worker import CopyWorker, CopyWorkers
 from ..workers.job import Job
 from ..base.layout import BlockLayout
+from ..base.sealing import Sealer
 from ..workers.transfer import Transfer, TransferResult
 from .stats import PersistentCounts, TierCounts, TransferCounters
 from ..base.cross_thread import resolve_from_any_thread
@@ -214,10 +215,12 @@ class TieredStorage:
         bounce_blocks: int | None = None,
         identity: CacheIdentity | None = None,
         verify: bool = False,
+        sealer: Sealer | None = None,
     ) -> None:
         """``identity``: the disk tier is persistent, for caches of this identity (its entries found
         again at start, checkpointed, kept at close; keys must be bytes, str or int); ``verify``: check
-        every disk slot's CRC32C when read."""
+        every disk slot's CRC32C when read; ``sealer``: how the disk tier signs and encrypts its slots
+        (:class:`~..base.sealing.Sealer`)."""
         self.layout = layout
         self.workers = workers
         self.metrics = metrics
@@ -241,7 +244,7 @@ class TieredStorage:
                 assert disk_path is not None
                 self.disk = DiskTier(
                     layout, disk_path, disk_blocks, workers, chunk_blocks=bounce_blocks or chunk_blocks, io_threads=io_threads,
-                    use_page_cache=use_page_cache, store_bounce=not host_blocks, identity=identity, verify=verify,
+                    use_page_cache=use_page_cache, store_bounce=not host_blocks, identity=identity, verify=verify, sealer=sealer,
                 )
                 if self.disk.persistent is not None:
                     self.index.restore(self.disk.recovered.entries)

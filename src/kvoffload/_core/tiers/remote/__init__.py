@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .store_protocol import RemoteCounters, RemoteStore, RemoteUnavailableError
-from .value_format import BadValue, key_name, name_prefix, pack_value, unpack_value
+from .store_protocol import RemoteCounters, RemoteRefusedError, RemoteStore, RemoteUnavailableError
+from .value_format import BadValue, key_name, name_prefix, pack_value, unpack_value, unpack_value_into
 
 __all__ = [
-    "BadValue", "RedisStore", "RemoteCounters", "RemoteStore", "RemoteUnavailableError", "key_name", "name_prefix", "pack_value",
-    "unpack_value",
+    "BadValue", "RedisStore", "RemoteCounters", "RemoteRefusedError", "RemoteStore", "RemoteUnavailableError", "key_name", "name_prefix",
+    "pack_value", "unpack_value", "unpack_value_into",
 ]
 
 if TYPE_CHECKING:

@@ -20,6 +20,8 @@ import concurrent.futures
 import logging
 import random
 import re
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,16 +33,20 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, ClusterDownError, MovedError, RedisClusterException, RedisError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError, AuthenticationError, ClusterDownError, MovedError, NoPermissionError, RedisClusterException, RedisError, ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ...base.async_backends import settled
 from ...base.cache_identity import MAX_KEY_BYTES
 from ...base.errors import ClosedError
 from ...base.helper_threads import mark_own_thread
-from .store_protocol import RemoteCounters, RemoteUnavailableError
+from ...base.sealing import Sealer
+from .store_protocol import RemoteCounters, RemoteRefusedError, RemoteUnavailableError
 from .value_format import (
-    HEADER_BYTES, BadValue, byte_view, check_namespace, copy_bytes, key_name, name_prefix, pack_value_into, unpack_value, value_bytes,
+    HEADER_BYTES, BadValue, byte_view, check_namespace, key_name, name_prefix, pack_value_into, unpack_value_into, value_bytes,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +69,9 @@ _MAX_WINDOW_KEYS = 512
 _UNAVAILABLE = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 # Replies that are ResponseErrors but say the cluster is moving or down, not that a key is bad.
 _CLUSTER_IN_FLUX = (ClusterDownError, MovedError, AskError, TryAgainError)
+_PROBE_KEY = b"p\0kvoffload-access-probe"
+"""The encoded key :meth:`RedisStore.check_access` reads and writes (no encoded key of a block
+starts with ``p``: see ``encode_key``)."""
 
 
 class RedisStore:
@@ -84,6 +93,9 @@ class RedisStore:
     connection error, calls fail at once for ``backoff_s`` (doubling per failed retry up to
     ``max_backoff_s``, with jitter so that many nodes do not retry in step).
 
+    ``sealer``: seals every value written and checks every value read (``remote_secret=``,
+    ``encryption_key=``; :mod:`.value_format`).
+
     ``where`` names the server in messages (the URL without its password).
     """
 
@@ -100,9 +112,11 @@ class RedisStore:
         connect_timeout_s: float = 1.0,
         backoff_s: float = 0.05,
         max_backoff_s: float = 5.0,
+        sealer: Sealer | None = None,
     ) -> None:
         self._prefix = name_prefix(check_namespace(namespace), identity_digest)
         self._digest = identity_digest
+        self._sealer = sealer if sealer is not None and sealer.active else None
         if not isinstance(connections, int) or connections < 1:
             raise ValueError(f"connections is a positive int, got {connections!r}")
         if not isinstance(window_bytes, int) or window_bytes < 1:
@@ -121,7 +135,7 @@ class RedisStore:
         self._helpers = concurrent.futures.ThreadPoolExecutor(connections, "kvoffload-remote", initializer=mark_own_thread)
         self._backoff = _Backoff(float(backoff_s), float(max_backoff_s))
         self._closed = False
-        self._warned_bad = False  # the first rejected value is logged as a warning, the rest at debug level
+        self._warned_causes: set[str] = set()  # the first rejected value of each cause is logged as a warning, the rest at debug level
         self._detect_lock = asyncio.Lock()
         self._client: RedisClient
         # For a plain URL: how to make the cluster client, should the server turn out to be a cluster node.
@@ -160,6 +174,29 @@ class RedisStore:
 
         await self._call(ping)
 
+    async def check_access(self, *, write: bool) -> None:
+        """One pipeline doing what the tier does (EXISTS, GET, and if ``write`` a SET ... XX, which
+        the server checks against the ACL but, the probe key being absent, stores nothing) under the
+        tier's own key names:
+        :class:`RemoteRefusedError` for a wrong password or user, a missing permission (an ACL without
+        one of these commands or the key pattern), no such database, a TLS failure, an unknown host;
+        :class:`RemoteUnavailableError` when the server cannot be reached now."""
+        name = key_name(self._prefix, _PROBE_KEY)
+
+        async def probe() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.exists(name)
+            pipe.get(name)
+            if write:
+                pipe.set(name, b"", xx=True)
+            for reply in await pipe.execute(raise_on_error=False):
+                if isinstance(reply, NoPermissionError):
+                    raise reply  # other per-command answers (a read-only replica, OOM) are the calls' to count
+                if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
+                    raise reply
+
+        await self._call(probe)
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` the server holds (one pipeline; per node of a cluster, all at once)."""
         names = self._names(keys)
@@ -184,10 +221,10 @@ class RedisStore:
         if not names:
             return []
         found = [False] * len(names)
-        rejected = 0
+        rejected = security = 0
 
         async def window(indices: range) -> None:
-            nonlocal rejected
+            nonlocal rejected, security
             pipe = self._client.pipeline(transaction=False)
             for i in indices:
                 pipe.get(names[i])
@@ -200,10 +237,7 @@ class RedisStore:
                         if isinstance(value, ResponseError):
                             raise BadValue(f"not a string value ({value})")
                         if value is not None:
-                            payload = unpack_value(value, self._digest, keys[i])
-                            if payload.nbytes != views[i].nbytes:
-                                raise BadValue(f"a block of {payload.nbytes} bytes for a buffer of {views[i].nbytes}")
-                            copy_bytes(views[i], payload)
+                            unpack_value_into(value, self._digest, keys[i], views[i], self._sealer)  # checked, then copied
                             found[i] = True
                         outcome.append(None)
                     except BadValue as e:
@@ -213,12 +247,14 @@ class RedisStore:
             for i, error in zip(indices, await self._off_loop(check_and_copy)):
                 if error is not None:
                     rejected += 1
+                    security += error.security
                     self._log_bad(keys[i], error)
 
         await self._call(lambda: self._in_windows([v.nbytes for v in views], window))
         hits = sum(found)
         self._counters.add(
             values_got=hits, bytes_got=sum(v.nbytes for v, f in zip(views, found) if f), misses=len(found) - hits, bad_values=rejected,
+            security_rejections=security,
         )
         return found
 
@@ -231,7 +267,7 @@ class RedisStore:
         stored = [False] * len(names)
 
         async def window(indices: range) -> None:
-            lengths = [value_bytes(keys[i], views[i].nbytes) for i in indices]
+            lengths = [value_bytes(keys[i], views[i].nbytes, self._sealer) for i in indices]
             memory = self._value_memory.take(sum(lengths))
             try:
                 values, start = [], 0
@@ -239,9 +275,9 @@ class RedisStore:
                     values.append(memoryview(memory)[start:start + length])
                     start += length
 
-                def pack() -> None:  # on a helper thread: checksums and copies release the GIL
+                def pack() -> None:  # on a helper thread: checksums, MACs, encryption and copies release the GIL
                     for i, value in zip(indices, values):
-                        pack_value_into(value, self._digest, keys[i], views[i])
+                        pack_value_into(value, self._digest, keys[i], views[i], self._sealer)
 
                 await self._off_loop(pack)
                 pipe = self._client.pipeline(transaction=False)
@@ -317,14 +353,22 @@ class RedisStore:
             await self._detect()
             result = await work()
         except _UNAVAILABLE as e:
+            outage_begins = not self._backoff.failing
             first, wait = self._backoff.failed(attempt, e)
             self._counters.add(connection_errors=1)
+            cause = permanent_cause(e)
+            what = f"refused this client ({cause})" if cause else "unavailable"
             if first:
-                log.warning("remote store %s unavailable (%s: %s); retrying in %.2f s", self.where, type(e).__name__, e, wait)
+                # one warning per outage; its later retries that fail again at debug level
+                log.log(
+                    logging.WARNING if outage_begins else logging.DEBUG, "remote store %s %s: %s: %s; retrying in %.2f s",
+                    self.where, what, type(e).__name__, e, wait,
+                )
                 await self._drop_idle_connections()
-            raise RemoteUnavailableError(
-                f"remote store {self.where} unavailable: {type(e).__name__}: {e}; retrying in {wait:.2f} s", retry_in_s=wait,
-            ) from e
+            message = f"remote store {self.where} {what}: {type(e).__name__}: {e}; retrying in {wait:.2f} s"
+            if cause:
+                raise RemoteRefusedError(message, cause=cause, retry_in_s=wait) from e
+            raise RemoteUnavailableError(message, retry_in_s=wait) from e
         if self._backoff.succeeded(attempt):
             self._counters.add(reconnects=1)
             log.info("remote store %s reachable again", self.where)
@@ -398,9 +442,15 @@ class RedisStore:
                 raise r
 
     def _log_bad(self, key: bytes, error: BadValue) -> None:
-        level = logging.DEBUG if self._warned_bad else logging.WARNING
-        self._warned_bad = True
-        log.log(level, "remote store %s: value of key %r rejected (%s); counted as a miss", self.where, key[:64], error.reason)
+        level = logging.DEBUG if error.cause in self._warned_causes else logging.WARNING
+        self._warned_causes.add(error.cause)
+        if error.security:
+            log.log(
+                level, "remote store %s: SECURITY: value of key %r refused: %s (a writer without this offloader's secret or key, "
+                "or one configured apart); counted as a miss, never loaded", self.where, key[:64], error.reason,
+            )
+        else:
+            log.log(level, "remote store %s: value of key %r rejected (%s); counted as a miss", self.where, key[:64], error.reason)
 
 
 def _reply(reply: object, *, per_key: bool = False) -> Any:
@@ -517,6 +567,27 @@ class _Counters:
             return RemoteCounters(**self._counts)
 
 
+def permanent_cause(error: BaseException) -> str:
+    """What makes ``error`` (raised by a call to the server) permanent, in a few words; ``""`` for an
+    error that retrying may fix (refused, reset, timed out, a server loading or failing over)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, AuthenticationError):
+            return "authentication failed: wrong password or user"
+        if isinstance(e, NoPermissionError):
+            return f"missing permission (NOPERM): {e}"
+        if isinstance(e, ResponseError) and "DB index" in str(e):
+            return f"no such database: {e}"
+        if isinstance(e, ssl.SSLError):
+            return f"TLS failure: {e}"
+        if isinstance(e, socket.gaierror) and e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return f"unknown host: {e.strerror}"
+        e = e.__cause__ or e.__context__
+    return ""
+
+
 class _Backoff:
     """When the store may try the network again after connection errors.
 
@@ -533,6 +604,11 @@ class _Backoff:
         self._retry_at = 0.0
         self._failing = False
         self._last_error = ""
+
+    @property
+    def failing(self) -> bool:
+        """Whether an outage is on (a call failed, none succeeded since)."""
+        return self._failing
 
     def admit(self, counters: _Counters, where: str) -> int:
         """The round a call starts in; :class:`RemoteUnavailableError` while waiting."""

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     """What holds a block's bytes: any C-contiguous object of the buffer protocol (numpy arrays are
     named apart: their stubs declare the protocol only for Python 3.12 and later)."""
 
-__all__ = ["RemoteCounters", "RemoteStore", "RemoteUnavailableError"]  # and BlockBuffer, for type checkers
+__all__ = ["RemoteCounters", "RemoteRefusedError", "RemoteStore", "RemoteUnavailableError"]  # and BlockBuffer, for type checkers
 
 
 class RemoteUnavailableError(OffloadError):
@@ -71,6 +71,25 @@ class RemoteUnavailableError(OffloadError):
 
 def _unavailable(message: str, retry_in_s: float) -> RemoteUnavailableError:
     return RemoteUnavailableError(message, retry_in_s=retry_in_s)
+
+
+class RemoteRefusedError(RemoteUnavailableError):
+    """The remote refuses this client for a reason retrying will not fix: a wrong password or user,
+    a missing permission (``NOPERM``: an ACL without a command or key pattern the tier needs), no
+    such database, a TLS failure, an unknown host. ``cause`` names it in a few words. ``start()``
+    fails on it (``StartError``); met later (a password changed on the server), it is handled as
+    an outage, so callers that handle :class:`RemoteUnavailableError` need nothing more."""
+
+    def __init__(self, message: str, *, cause: str, retry_in_s: float = 0.0) -> None:
+        super().__init__(message, retry_in_s=retry_in_s)
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_refused, (str(self), self.cause, self.retry_in_s))
+
+
+def _refused(message: str, cause: str, retry_in_s: float) -> RemoteRefusedError:
+    return RemoteRefusedError(message, cause=cause, retry_in_s=retry_in_s)
 
 
 @dataclass(frozen=True)
@@ -99,6 +118,9 @@ class RemoteCounters:
     """Calls that failed on the network or the server (each raised :class:`RemoteUnavailableError`)."""
     calls_refused: int = 0
     """Calls failed at once, without the network, while backing off after a connection error."""
+    security_rejections: int = 0
+    """Of ``bad_values``, values that failed their seal: unsigned, signed by an unknown secret, a MAC
+    that does not match, failed decryption (forged or altered values, or writers configured apart)."""
     reconnects: int = 0
     """Calls that succeeded again after connection errors (one per outage)."""
 
@@ -120,6 +142,12 @@ class RemoteStore(Protocol):
     async def connect(self) -> None:
         """Reach the remote now (idempotent); :class:`RemoteUnavailableError` if it cannot be reached.
         Other calls connect on their own; this lets a caller check the remote at start."""
+        ...
+
+    async def check_access(self, *, write: bool) -> None:
+        """One round trip doing what the tier will do (look up, read, and if ``write`` a write that
+        the remote checks but that stores nothing): :class:`RemoteRefusedError` if the remote refuses it for good,
+        :class:`RemoteUnavailableError` if it cannot be reached now."""
         ...
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
