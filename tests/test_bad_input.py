@@ -92,6 +92,7 @@ keys = st.one_of(st.text(max_size=4), st.binary(max_size=4), st.integers(), st.t
     bad=st.one_of(wrong_type_ids.map(lambda v: (v, TypeError)), out_of_range_ids.map(lambda v: (v, ValueError))),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_a_bad_block_id_anywhere_fails_the_call_and_moves_nothing(fx, kind, n_good, position, bad_key, bad, data):
     value, expected = bad
     if kind == "store":

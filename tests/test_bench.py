@@ -33,6 +33,7 @@ def bench(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
     return proc
 
 
+@pytest.mark.slow
 def test_bench_command_small(tmp_path):
     out = tmp_path / "bench.json"
     # cost: kvoffload.bench.transfer_cost's scenario, tested on its own
@@ -55,6 +56,7 @@ def test_bench_command_small(tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # the bench removed its disk files
 
 
+@pytest.mark.slow
 def test_skip_names_an_unknown_scenario():
     proc = subprocess.run([sys.executable, "-m", "kvoffload.bench", "--skip", "host,nosuch"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no scenario nosuch" in proc.stderr
@@ -93,11 +95,13 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_baseline_and_the_model_harness(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"kvoffload/bench/__main__.py", "kvoffload/bench/seed_baseline.py", "kvoffload/bench/prefix_cache_model.py"} <= names
 
 
+@pytest.mark.slow
 def test_installed_bench_has_its_baseline_without_a_checkout(wheel, tmp_path):
     site, work = tmp_path / "site", tmp_path / "work"
     zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel, installed as pip would lay it out

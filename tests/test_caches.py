@@ -166,6 +166,7 @@ def test_caches_torch_cannot_view_as_bytes_are_refused_at_construction(case):
 
 
 @pytest.mark.parametrize("qdtype", ["quint8", "qint8", "qint32"])
+@pytest.mark.slow
 def test_quantized_caches_are_refused_at_construction(qdtype):
     # in a subprocess: viewing a quantized tensor's memory as bytes crashed the process
     code = textwrap.dedent(f"""

@@ -252,6 +252,7 @@ async def test_write_faults_fail_the_store_and_lose_nothing(tmp_path, faults, fa
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fault", [eio, short_read], ids=["EIO", "short-read"])
+@pytest.mark.slow
 async def test_read_faults_fail_the_load_and_keep_the_entries(tmp_path, faults, fault):
     caches = random_caches(64, seed=32)
     orig = snapshot(caches)

@@ -156,6 +156,7 @@ def test_a_file_another_offloader_in_this_process_holds_is_refused(tmp_path, mak
         round_trip(again, caches)
 
 
+@pytest.mark.slow
 def test_a_file_another_process_holds_is_refused(tmp_path):
     path = tmp_path / "kv"
     tests_dir = os.path.dirname(__file__)
@@ -280,6 +281,7 @@ def test_without_persistence_nothing_at_the_path_is_touched_and_no_file_gets_a_n
 
 
 @pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "no-O_TMPFILE"])
+@pytest.mark.slow
 def test_two_offloaders_without_persistence_share_a_path_without_sharing_a_file(tmp_path, monkeypatch, tmpfile):
     if not tmpfile:  # a file system without O_TMPFILE: a temporary name, unlinked before start() returns
         monkeypatch.delattr(os, "O_TMPFILE", raising=False)
@@ -292,6 +294,7 @@ def test_two_offloaders_without_persistence_share_a_path_without_sharing_a_file(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.slow
 def test_a_process_killed_without_persistence_leaves_no_file(tmp_path, sig):
     path = tmp_path / "kv"
     tests_dir = os.path.dirname(__file__)

@@ -13,6 +13,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+@pytest.mark.slow
 def test_example_runs(path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env)
@@ -27,6 +28,7 @@ def test_demo_command_verifies_every_byte():
     assert "OK: every byte round-tripped" in proc.stdout and "GB/s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs():
     """The README's quickstart runs as written (on CPU tensors here, on the GPU where there is one)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()

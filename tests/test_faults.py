@@ -231,6 +231,7 @@ def run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("exc", ["SystemExit('an IO thread exits')", "KeyboardInterrupt()"])
+@pytest.mark.slow
 def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path, exc):
     proc = run_script(f"""
         import kvoffload
@@ -258,6 +259,7 @@ def test_io_thread_dying_with_a_base_exception_fails_only_its_transfer(tmp_path,
     assert "failed with TransferError" in proc.stdout and "next store: ('next',)" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_kept_transfer_error_stays_safe_after_close(tmp_path):
     proc = run_script(f"""
         import errno, torch, kvoffload

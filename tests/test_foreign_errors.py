@@ -88,6 +88,7 @@ def _check_still_works(off, caches, old_keys):
 
 @pytest.mark.parametrize("raised", list(RAISERS))
 @pytest.mark.parametrize("site", list(SITES))
+@pytest.mark.slow
 def test_any_exception_from_a_foreign_call_fails_only_its_transfer(make_offloader, tmp_path, site, raised):
     off, caches, transfer = _setup(make_offloader, tmp_path, site)
     attr = SITES[site][1]
@@ -140,6 +141,7 @@ BAD_RETURNS = _bad_returns()
 
 @pytest.mark.parametrize("returned", list(BAD_RETURNS))
 @pytest.mark.parametrize("site", ["pwritev-disk-store", "pwritev-spill", "preadv-disk-load"])
+@pytest.mark.slow
 def test_io_call_returning_anything_but_the_byte_count_fails_the_transfer(make_offloader, tmp_path, site, returned):
     off, caches, transfer = _setup(make_offloader, tmp_path, site)
     attr = SITES[site][1]

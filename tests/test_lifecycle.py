@@ -97,6 +97,7 @@ def slot_bytes(caches) -> int:
 
 
 @pytest.mark.parametrize("how", ["close() in a done callback", "last reference dropped in a done callback"])
+@pytest.mark.slow
 def test_close_on_a_worker_thread_hands_off_and_releases_everything(tmp_path, how):
     path = tmp_path / "kv"
     proc = run_script(f"""
@@ -177,6 +178,7 @@ def test_close_from_a_worker_thread_returns_at_once_and_a_later_close_waits_for_
 # -- 2. a failed close, then a close that finishes -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_close_timeout_raises_close_error_and_a_later_close_finishes(tmp_path):
     path = tmp_path / "kv"
     proc = run_script(f"""
@@ -256,6 +258,7 @@ except kvoffload.CloseError:
 
 
 @pytest.mark.parametrize("how", list(EXITS))
+@pytest.mark.slow
 def test_the_disk_file_has_no_name_and_no_exit_leaves_a_file(tmp_path, how):
     path = tmp_path / "kv"
     proc = run_script(
@@ -285,6 +288,7 @@ sys.stdout.flush()
 
 
 @pytest.mark.parametrize("child_ends", ["close() then exit", "garbage collection then exit", "exit", "os._exit"])
+@pytest.mark.slow
 def test_forked_child_refuses_the_parents_offloader_and_leaves_it_alone(tmp_path, child_ends):
     path = tmp_path / "kv"
     proc = run_script(f"""
@@ -555,6 +559,7 @@ def test_start_error_from_os_error_keeps_errno_reachable(tmp_path):
 
 
 @pytest.mark.parametrize("exc", ["SystemExit", "KeyboardInterrupt"])
+@pytest.mark.slow
 def test_done_callback_raising_a_base_exception_does_not_stop_the_worker(exc):
     proc = run_script(f"""
         import logging
@@ -629,6 +634,7 @@ def test_done_callback_raising_a_base_exception_does_not_stop_the_worker(exc):
 # -- 8. stats agree with what a waiter sees --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stats_count_a_transfer_as_ended_when_result_returns(make_offloader):
     caches = random_caches(32, seed=11)
     off = make_offloader(caches, host_blocks=32)

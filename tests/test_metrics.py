@@ -205,7 +205,7 @@ def test_two_offloaders_in_one_registry_are_scraped_each_under_its_own_label():
 def _documented_metric_names() -> set[str]:
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### Prometheus", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).parent.parent / "docs" / "how-to" / "metrics.md").read_text()
+    section = page.split("\n## Prometheus\n", 1)[1].split("\n## ", 1)[0]
     rows = [row for row in section.splitlines() if row.startswith("| `kvoffload_")]
     return {row.split("`")[1] for row in rows if "(with `remote=`)" not in row}  # an offloader without a remote tier

@@ -598,6 +598,7 @@ class OffloaderMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.timeout(900)  # passing takes ~20 s; a failure may spend minutes shrinking the sequence
+@pytest.mark.slow
 def test_random_operations_match_the_model(tmp_path, monkeypatch):
     real_to_host, real_to_device = CpuBlockCopier.to_host, CpuBlockCopier.to_device
 

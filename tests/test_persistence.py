@@ -158,6 +158,7 @@ def stored_keys(off, candidates):
 
 
 @pytest.mark.parametrize("host_blocks", [0, 32], ids=["disk-only", "host-and-disk"])
+@pytest.mark.slow
 def test_entries_survive_a_real_restart_byte_exact(tmp_path, host_blocks):
     path = tmp_path / "kv"
     with Child(path, host_blocks=host_blocks, count=48) as child:
@@ -176,6 +177,7 @@ def test_entries_survive_a_real_restart_byte_exact(tmp_path, host_blocks):
         off.close()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_store_keeps_every_finished_entry_and_serves_no_torn_one(tmp_path):
     path = tmp_path / "kv"
     with Child(path, count=400, disk_blocks=512, env={"CHECKPOINT_S": "0.02"}) as child:
@@ -192,6 +194,7 @@ def test_sigkill_mid_store_keeps_every_finished_entry_and_serves_no_torn_one(tmp
 
 
 @pytest.mark.parametrize("which", [1, 3], ids=["first-checkpoint", "third-checkpoint"])
+@pytest.mark.slow
 def test_sigkill_mid_checkpoint_keeps_every_finished_entry(tmp_path, which):
     path = tmp_path / "kv"
     with Child(path, count=400, disk_blocks=512, env={"CHECKPOINT_S": "0.01", "KILL_AT": f"checkpoint-{which}"}) as child:
@@ -211,6 +214,7 @@ def test_sigkill_mid_checkpoint_keeps_every_finished_entry(tmp_path, which):
         off.close()
 
 
+@pytest.mark.slow
 def test_sigkill_with_a_host_tier_loses_the_finished_stores_only_in_host_memory(tmp_path):
     path = tmp_path / "kv"
     # 64 keys through 16 host slots: each window's stores spill the oldest host entries to disk before they
@@ -280,6 +284,7 @@ def store_spilling(path, count, *, host_blocks, disk_blocks, hold=()):
         off.close()  # with the lease still held
 
 
+@pytest.mark.slow
 def test_a_clean_close_with_a_full_disk_keeps_the_newest_entries(tmp_path):
     path = tmp_path / "kv"
     store_spilling(path, 20, host_blocks=8, disk_blocks=12)  # disk: k0..k11 (full); host only: k12..k19
@@ -312,6 +317,7 @@ def test_a_clean_close_with_a_full_disk_never_takes_a_held_slot(tmp_path):
         off.close()
 
 
+@pytest.mark.slow
 def test_a_corrupted_header_is_dropped_on_reopen(tmp_path):
     path = tmp_path / "kv"
     offsets = store_and_close(path, 8)
@@ -359,6 +365,7 @@ def test_another_model_fingerprint_is_refused_and_the_file_kept_for_its_own(tmp_
         off.close()
 
 
+@pytest.mark.slow
 def test_a_directory_as_disk_path_holds_one_file_per_cache_identity(tmp_path):
     caches = random_caches(BLOCKS, seed=SEED)
     for fingerprint in ("model-a", "model-b"):
@@ -399,6 +406,7 @@ def test_discarded_keys_never_come_back_after_a_restart(tmp_path, monkeypatch):
         off.close()
 
 
+@pytest.mark.slow
 def test_keys_discarded_just_before_close_never_come_back(tmp_path):
     path = tmp_path / "kv"
     store_and_close(path, 8)
@@ -447,6 +455,7 @@ def test_the_persistent_file_is_private_and_has_a_name(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["kv", "kv.checkpoint"]
 
 
+@pytest.mark.slow
 def test_keys_discarded_just_before_a_crash_never_come_back(tmp_path):
     path = tmp_path / "kv"
     with Child(path, count=200) as child:

@@ -72,6 +72,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_two_processes_share_a_prefix_byte_exact(server):
     tests_dir = os.path.dirname(__file__)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
@@ -142,6 +143,7 @@ async def test_key_gone_from_the_server_fails_the_load_and_corrupts_nothing(serv
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_server_dying_mid_load_fails_it_local_tiers_keep_working_and_it_works_again(server):
     keys = [f"s{i}" for i in range(BLOCKS // 2)]
     store_and_close(server.url, keys)
@@ -200,6 +202,7 @@ def test_background_writes_to_a_dead_server_fail_quietly(binaries):
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_cluster_round_trip(cluster):
     url = f"redis+cluster://127.0.0.1:{cluster[0].port}"
     keys = [f"c{i}-{os.urandom(4).hex()}" for i in range(12)]
@@ -294,6 +297,7 @@ def test_remote_urls_the_store_takes_are_accepted_without_connecting(url):
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_a_remote_load_is_cancellable_and_gives_its_slots_back(server):
     keys = [f"x{i}" for i in range(4)]
     store_and_close(server.url, keys)
@@ -325,6 +329,7 @@ async def test_a_remote_load_is_cancellable_and_gives_its_slots_back(server):
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_close_drops_writes_it_cannot_wait_for_and_their_pins(server):
     proxy = await TcpProxy(server.port).start()
     off = kvoffload.Offloader(random_caches(BLOCKS), host_blocks=BLOCKS, remote=proxy.url).start()
@@ -563,6 +568,7 @@ async def test_a_later_chunk_failing_a_load_through_disk_slots_writes_no_cache_b
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_a_load_through_disk_slots_cancelled_after_its_first_chunk_writes_no_cache_block(server, tmp_path):
     from kvoffload._core.base.cache_identity import encode_key
 

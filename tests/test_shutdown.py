@@ -185,6 +185,7 @@ def test_shutdown_under_load_from_a_thread(tmp_path, faults, how):
     check_released(path, fds)
 
 
+@pytest.mark.slow
 def test_open_close_cycles_under_load_do_not_leak(tmp_path, faults):
     caches = random_caches(256, seed=83)
 
@@ -231,6 +232,7 @@ def test_host_memory_is_the_configured_slots_plus_constant():
 
 
 @pytest.mark.parametrize("how", ["close()", "with", "gc"])
+@pytest.mark.slow
 def test_close_from_a_coroutine_releases_everything(tmp_path, how):
     # In a fresh interpreter: the bug leaves a worker thread running, which would upset the other tests.
     code = f"""
@@ -346,6 +348,7 @@ def check_loads_byte_exact(off: kvoffload.Offloader, caches: dict[str, torch.Ten
 
 
 @pytest.mark.parametrize("how", ["exit", "unhandled exception", "close running in another thread"])
+@pytest.mark.slow
 def test_a_persistent_tier_keeps_its_host_entries_when_the_process_exits_without_close(tmp_path, how):
     path = tmp_path / "kv"
     proc = run_child(PERSIST_CHILD, str(path), how)
@@ -366,6 +369,7 @@ def test_a_persistent_tier_keeps_its_host_entries_when_the_process_exits_without
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_write_through_reaches_the_remote_when_the_process_exits_without_close(binaries):
     with redis_server(binaries) as server:
         proc = await asyncio.to_thread(run_child, REMOTE_CHILD, server.url)

@@ -566,6 +566,7 @@ def run_interleaving(seed: int, steps: int, kind: str) -> int:
     return done
 
 
+@pytest.mark.slow
 def test_interleavings_keep_every_slot_owned_once():
     started = time.perf_counter()
     total, seed = 0, 0

@@ -195,6 +195,7 @@ async def _await_within(t, seconds: float):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.slow
 async def test_cancellation_storm(tmp_path, request, config):
     caches = random_caches(SOURCES + (TASKS + THREADS) * WORKER_DEST, seed=77)
     orig = {n: t.clone() for n, t in caches.items()}

@@ -25,8 +25,8 @@ class StandInReport:
         self.begun.append(what)
 
     def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
-            baseline: float | None = None, note: str = "") -> None:
-        self.rows.append({"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "baseline": baseline})
+            baseline: float | None = None, note: str = "", bare_hop: float | None = None) -> None:
+        self.rows.append({"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "bare_hop": bare_hop})
 
 
 def test_every_kind_and_mode_reports_positive_costs() -> None:
@@ -44,7 +44,7 @@ def test_every_kind_and_mode_reports_positive_costs() -> None:
                 r = by_name[f"{kind}, {mode}: {what}"]
                 assert r["unit"] == unit
                 assert math.isfinite(r["kvoffload"]) and r["kvoffload"] > 0, r
-                assert r["baseline"] is not None and math.isfinite(r["baseline"])
+                assert r["bare_hop"] is not None and math.isfinite(r["bare_hop"])
     # one at a time, every transfer wakes its worker at least once
     assert by_name["one-block store, awaited one by one: wake-ups"]["kvoffload"] >= 0.9
     assert by_name["one-block store, awaited one by one: GIL takes"]["kvoffload"] >= 0.9

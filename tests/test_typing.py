@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_package_is_mypy_strict_clean():
     pytest.importorskip("mypy")
     with tempfile.TemporaryDirectory() as cache:  # a fresh cache: the result must not depend on an old one

@@ -25,6 +25,7 @@ from support.vllm_engine import (
     run_engine, token_ids,
 )
 
+pytestmark = pytest.mark.slow  # a real vLLM engine per test: minutes in all
 CONNECTORS = ["KvoffloadConnector", "OffloadingConnector"]
 
 PREFIXES = [token_ids(1, 4 * BLOCK_TOKENS + 5), token_ids(2, 3 * BLOCK_TOKENS), token_ids(3, 2 * BLOCK_TOKENS + 31)]

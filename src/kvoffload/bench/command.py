@@ -4,9 +4,14 @@ Every scenario runs the ceiling (what the hardware does with one large copy, or 
 O_DIRECT IO), the seed-style baseline (``kvoffload.bench.seed_baseline``: a background thread per
 direction fed by a queue, one descriptor per layer per block, completion by polling a shared list
 of events; disk one block at a time) and kvoffload, on the same data, and reports GB/s and ratios.
-On a machine without CUDA the scenarios that need no GPU run on CPU tensors.
+Per-transfer costs (CPU, wake-ups, latency) go to a table of their own, beside bare cross-thread
+hops: the floor under any design that crosses threads. Under each table a legend says what its
+columns mean (:data:`kvoffload.bench.report.COLUMNS`). On a machine without CUDA the scenarios that
+need no GPU run on CPU tensors.
 
-Usage: ``kvoffload bench [--gib 2] [--layout 32x2x16x8x128:bf16] [--skip host,disk] [--json out.json] [--plot out.png]``.
+Usage: ``kvoffload bench [--gib 2] [--layout 32x2x16x8x128:bf16] [--skip host,disk | --only cost]
+[--json out.json] [--plot out.png]``. A mistake in the options is one line on stderr and exit
+status 2, before anything runs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..cli import CommandLineParser, directory, guarded, positive_float, positive_int
 from . import seed_baseline
 from .busy_caller import app_thread_scenario, busy_caller_scenarios
 from .cache_layout import Layout
@@ -36,12 +42,13 @@ from .layouts import layout_scenarios
 from .load_timing import cancel_scenario, expedited_scenario, first_layer_scenario
 from .measure import frozen_heap
 from .remote_tier import remote_scenarios
-from .report import Report, plot
+from .report import COLUMNS, Report, plot
+from .sglang_backend import sglang_scenarios
 from .small_transfers import small_transfers
 from .ttft import ttft_scenarios
 from .under_compute import under_compute_scenarios
 
-__all__ = ["SCENARIOS", "Run", "main"]
+__all__ = ["SCENARIOS", "Run", "main", "parser"]
 
 GPU_ONLY = {"layouts", "layers", "expedited", "compute"}
 """Scenarios that need a CUDA device (skipped without one)."""
@@ -104,7 +111,7 @@ class Run:
     def ttft_lengths(self) -> list[int]:
         """Prompt lengths of the time-to-first-token rows."""
         if self.args.ttft_tokens:
-            return [int(x) for x in self.args.ttft_tokens.split(",")]
+            return list(self.args.ttft_tokens)
         return [4096, 16384, 32768] if self.cuda else [256, 1024]
 
 
@@ -126,55 +133,144 @@ SCENARIOS: dict[str, tuple[Callable[[Run], None], ...]] = {
     "persist": (lambda r: persistence_scenarios(r.rep, r.lay, r.disk_gib, r.dev, r.args.disk_dir, r.args.io_threads),),
     "remote": (lambda r: remote_scenarios(r.rep, r.lay, min(r.gib, 1.0), r.dev, disk_dir=r.args.disk_dir),),
     "ttft": (lambda r: ttft_scenarios(r.rep, r.dev, r.ttft_lengths, r.args.disk_dir),),
+    "sglang": (lambda r: sglang_scenarios(r.rep, min(r.disk_gib, 0.25), r.args.disk_dir),),
     "small": (lambda r: small_transfers(r.rep, r.dev, r.base, r.args.small),),
     "cost": (lambda r: cost_scenario(r.rep, r.dev),),
     "engine": (lambda r: engine_loop_scenario(r.rep, r.lay, min(r.gib, 0.25), r.dev, r.base, r.args.engine_steps),),
     "latency": (_latency,),
 }
-"""Each scenario's name (for ``--skip``) -> its steps (one progress line each), in the order they run."""
+"""Each scenario's name (for ``--skip`` and ``--only``) -> its steps (one progress line each), in the order they run."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark: progress while it runs, a table at the end, optional JSON and PNG."""
-    p = argparse.ArgumentParser(prog="kvoffload bench", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=None, help="bytes per host transfer (default 2 GiB on GPU, 0.25 on CPU)")
-    p.add_argument("--disk-gib", type=float, default=None, help="bytes per disk transfer (default 2 GiB on GPU, 0.25 on CPU)")
-    p.add_argument("--layout", default="32x2x16x8x128:bf16", help="LAYERSxBLOCK_SHAPE:dtype (default: 64 KiB per layer per block)")
-    p.add_argument("--disk-dir", default=None, help="directory for the disk scenarios (default: the temp dir)")
-    p.add_argument("--io-threads", type=int, default=4)
-    p.add_argument("--ttft-tokens", default=None, help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
-    p.add_argument("--small", type=int, default=5000, help="one-block transfers in the small-transfer scenario")
-    p.add_argument("--engine-steps", type=int, default=150, help="steps per run of the engine-loop scenario")
-    p.add_argument("--busy-seconds", type=float, default=2.0, help="seconds per measurement of the busy-caller scenario")
-    p.add_argument("--skip", default="", help=f"comma-separated: {','.join(SCENARIOS)} ({', '.join(sorted(GPU_ONLY))} need a GPU)")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
+"""The dtypes a ``--layout`` may name (:class:`~.cache_layout.Layout`)."""
+
+
+def layout(text: str) -> Layout:
+    """An argparse ``type``: ``--layout LAYERSxD1x...:DTYPE``."""
+    want = f"want LAYERSxD1x...[:DTYPE], whole numbers of at least 1 and DTYPE one of {', '.join(DTYPES)}, e.g. 32x2x16x8x128:bf16"
+    _dims, _, dt = text.partition(":")
+    if dt and dt not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: no dtype {dt!r}; {want}")
+    try:
+        return Layout(text)
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r}: {want}") from None
+
+
+def scenario_names(text: str) -> set[str]:
+    """An argparse ``type``: comma-separated names of :data:`SCENARIOS`."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = names - set(SCENARIOS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no scenario {', '.join(sorted(unknown))} (there are {','.join(SCENARIOS)})")
+    return names
+
+
+def token_counts(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated prompt lengths, each at least 1."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"want comma-separated whole numbers of at least 1, got {text!r}")
+    return counts
+
+
+def _writable_file(p: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """``p.error`` now, not after the run, unless ``path`` can be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        p.error(f"argument {option}: {path!r} is a directory")
+    if not os.path.isdir(folder):
+        p.error(f"argument {option}: no directory {folder!r} to write {os.path.basename(path)!r} in")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        p.error(f"argument {option}: {path!r} cannot be written (permission denied)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of ``kvoffload bench``."""
+    p = CommandLineParser(prog="kvoffload bench", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--gib", type=positive_float, default=None, help="bytes per host transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--disk-gib", type=positive_float, default=None, help="bytes per disk transfer (default 2 GiB on GPU, 0.25 on CPU)")
+    p.add_argument("--layout", type=layout, default=Layout(), metavar="LAYOUT",
+                   help=f"LAYERSxBLOCK_SHAPE:DTYPE, DTYPE one of {', '.join(DTYPES)} (default 32x2x16x8x128:bf16: 64 KiB per layer per block)")
+    p.add_argument("--disk-dir", type=directory, default=None, help="directory for the disk scenarios (default: the temp dir)")
+    p.add_argument("--io-threads", type=positive_int, default=4)
+    p.add_argument("--ttft-tokens", type=token_counts, default=None,
+                   help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
+    p.add_argument("--small", type=positive_int, default=5000, help="one-block transfers in the small-transfer scenario")
+    p.add_argument("--engine-steps", type=positive_int, default=150, help="steps per run of the engine-loop scenario")
+    p.add_argument("--busy-seconds", type=positive_float, default=2.0, help="seconds per measurement of the busy-caller scenario")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--skip", type=scenario_names, default=set(), metavar="NAMES",
+                       help=f"comma-separated scenarios not to run, of: {','.join(SCENARIOS)} ({', '.join(sorted(GPU_ONLY))} need a GPU)")
+    which.add_argument("--only", type=scenario_names, default=None, metavar="NAMES",
+                       help="comma-separated scenarios to run, and no others (the same names as --skip)")
     p.add_argument("--baseline", default=None, help="path of a seed_baseline.py to use instead of kvoffload.bench.seed_baseline")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark: progress while it runs, the tables at the end, optional JSON and PNG."""
+    p = parser()
     args = p.parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib: pip install matplotlib")
-    skip = set(filter(None, args.skip.split(",")))
-    if skip - set(SCENARIOS):
-        p.error(f"--skip: no scenario {', '.join(sorted(skip - set(SCENARIOS)))} (there are {','.join(SCENARIOS)})")
+        p.error("argument --plot: needs matplotlib (pip install matplotlib)")
+    _writable_file(p, "--json", args.json)
+    _writable_file(p, "--plot", args.plot)
+    if args.only == set():
+        p.error(f"argument --only: want one or more of {','.join(SCENARIOS)}")
     cuda = torch.cuda.is_available()
+    lay: Layout = args.layout
+    default_gib = 2.0 if cuda else 0.25
+    smallest = min(args.gib or default_gib, args.disk_gib or default_gib)
+    if 2 * lay.block_bytes > smallest * 2**30:
+        p.error(f"argument --layout: a block of {lay.spec} is {lay.block_bytes / 2**20:.1f} MiB, and a transfer of "
+                f"{smallest:g} GiB (--gib, --disk-gib) must hold at least 2 of them; give a smaller layout or a larger --gib")
+    if args.baseline is not None:
+        if not os.path.isfile(args.baseline):
+            p.error(f"argument --baseline: no file {args.baseline!r}")
+        try:
+            base = load_baseline(args.baseline)
+        except Exception as e:  # the user's file: a syntax error, a failed import
+            p.error(f"argument --baseline: {args.baseline!r} cannot be loaded: {type(e).__name__}: {e}")
+    else:
+        base = seed_baseline
+    chosen = args.only if args.only is not None else set(SCENARIOS) - args.skip
+    runnable = chosen if cuda else chosen - GPU_ONLY
+    if not runnable:
+        p.error(f"argument --only: {', '.join(sorted(chosen))} need{'s' if len(chosen) == 1 else ''} a CUDA device, "
+                "and this machine has none")
+    if not cuda and chosen & GPU_ONLY:
+        print(f"no CUDA device: not running {', '.join(n for n in SCENARIOS if n in chosen & GPU_ONLY)}", flush=True)
+    return guarded("kvoffload bench", lambda: _run(args, lay, base, cuda, runnable))
+
+
+def _run(args: argparse.Namespace, lay: Layout, base: ModuleType, cuda: bool, names: set[str]) -> int:
+    """Run the scenarios ``names``, in the order of :data:`SCENARIOS`; print and write the results."""
     dev = torch.device("cuda" if cuda else "cpu")
-    lay = Layout(args.layout)
-    base = load_baseline(args.baseline)
-    todo = [step for name, steps in SCENARIOS.items() if name not in skip | (set() if cuda else GPU_ONLY) for step in steps]
+    todo = [step for name, steps in SCENARIOS.items() if name in names for step in steps]
     run = Run(args, Report(len(todo)), lay, dev, base)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "gpu": torch.cuda.get_device_name() if cuda else None,
-            "cpus": os.cpu_count(), "layout": lay.spec, "block_bytes": lay.block_bytes, "baseline": base.__file__}
+            "cpus": os.cpu_count(), "layout": lay.spec, "block_bytes": lay.block_bytes, "baseline": base.__file__,
+            "scenarios": [n for n in SCENARIOS if n in names]}
     print("kvoffload bench:", json.dumps(meta), flush=True)
     for step in todo:
         step(run)
     rep = run.rep
-    print("\n" + rep.table(), flush=True)
+    print("\n" + rep.summary(), flush=True)
     for line in rep.below_floor():
         print("below its floor:", line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rep.rows, "extra": rep.extra}, f, indent=1)
+            json.dump({"meta": meta, "columns": COLUMNS, "rows": rep.rows, "extra": rep.extra}, f, indent=1)
     if args.plot:
         plot(rep, args.plot)
     return 0

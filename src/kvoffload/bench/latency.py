@@ -74,11 +74,11 @@ def latency_scenarios(rep: Report, dev: torch.device) -> None:
     rep.extra["wake_floor"] = floor
     e2e = latency_summary(one_block_latency(dev))
     rep.extra["one_block_store"] = e2e
-    note = f"p99 {e2e['p99_us']:.0f} us; ceiling column: the wake floor's p50"
+    note = f"p99 {e2e['p99_us']:.0f} us; bare hop: one way into an idle loop, p50"
     if dev.type == "cuda":
         idle = idle_cpu_while_pending()
         rep.extra["idle_cpu_fraction"] = idle
         note += f"; CPU while a store waits behind a kernel {idle * 100:.1f}% of a core"
     else:
         note += "; CPU tensors"
-    rep.row("one-block store, call to resume p50", "us", e2e["p50_us"], floor["p50_us"], None, note=note)
+    rep.row("one-block store, call to resume p50", "us", e2e["p50_us"], bare_hop=floor["p50_us"], note=note)

@@ -1,11 +1,12 @@
-"""The bench's report: rows printed as they come (the progress display), the summary table, a chart."""
+"""The bench's report: rows printed as they come (the progress display), the summary tables (rows
+against the ceiling and the seed-style baseline; per-transfer costs against bare thread hops), a chart."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-__all__ = ["Report", "plot"]
+__all__ = ["COLUMNS", "Report", "plot"]
 
 
 class Report:
@@ -29,14 +30,26 @@ class Report:
         print(f"[{self.step}/{self.steps} {time.perf_counter() - self.t0:6.1f}s] {what}: skipped ({reason})", flush=True)
 
     def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
-            baseline: float | None = None, note: str = "", floor: float | None = None) -> None:
-        """Add (and print) a row: kvoffload's figure beside the ceiling and the seed-style baseline.
-        ``floor``: the share of the ceiling this row must reach; a row below it is listed at the end."""
+            baseline: float | None = None, note: str = "", floor: float | None = None,
+            bare_hop: float | None = None) -> None:
+        """Add (and print) a row: kvoffload's figure beside what it is compared with, each in a column
+        of its own (:data:`COLUMNS`).
+
+        ``ceiling``: what the row is held to: the hardware, or the same work without what the row
+        measures (the note says which: ``ceiling = ...``). ``baseline``: the seed-style baseline's
+        figure for the same work, and nothing else. ``floor``: the share of the ceiling this row must
+        reach; a row below it is listed at the end. ``bare_hop``: for a per-transfer cost (CPU,
+        wake-ups, latency: lower is better), the same figure for bare cross-thread hops, the floor
+        under any design that crosses threads; such a row goes to the table of its own
+        (:meth:`hop_table`) and has no ceiling or baseline."""
+        if bare_hop is not None and (ceiling is not None or baseline is not None or floor is not None):
+            raise ValueError(f"row {scenario!r}: a row against a bare hop has no ceiling, baseline or floor")
         r = {"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "ceiling": ceiling, "baseline": baseline,
              "vs_ceiling": kvoffload / ceiling if ceiling else None, "vs_baseline": kvoffload / baseline if baseline else None,
-             "note": note, "floor": floor}
+             "note": note, "floor": floor, "bare_hop": bare_hop,
+             "over_hop": kvoffload - bare_hop if bare_hop is not None else None}
         self.rows.append(r)
-        print("    " + _fmt_row(r), flush=True)
+        print("    " + (_fmt_hop_row(r, _HOP_WIDTH) if bare_hop is not None else _fmt_row(r, _WIDTH)), flush=True)
 
     def below_floor(self) -> list[str]:
         """The rows whose share of the ceiling is below their floor, as lines to print."""
@@ -44,18 +57,64 @@ class Report:
                 for r in self.rows if r["floor"] is not None and r["vs_ceiling"] is not None and r["vs_ceiling"] < r["floor"]]
 
     def table(self) -> str:
-        """The summary table of every row so far."""
-        head = f"{'scenario':38s} {'unit':>10s} {'kvoffload':>10s} {'ceiling':>10s} {'baseline':>10s} {'/ceil':>7s} {'/base':>7s}"
-        return "\n".join([head, "-" * len(head)] + [_fmt_row(r) for r in self.rows])
+        """The summary table of every row so far but the per-transfer costs (:meth:`hop_table`)."""
+        rows = [r for r in self.rows if r.get("bare_hop") is None]
+        width = max([_WIDTH, *(len(r["scenario"]) for r in rows)])
+        head = (f"{'scenario':{width}s} {'unit':>10s} {'kvoffload':>10s} {'ceiling':>10s} {'baseline':>10s} "
+                f"{'/ceil':>7s} {'/base':>7s}")
+        return "\n".join([head, "-" * len(head)] + [_fmt_row(r, width) for r in rows])
+
+    def hop_table(self) -> str:
+        """The per-transfer costs beside bare cross-thread hops (empty when there are none)."""
+        rows = [r for r in self.rows if r.get("bare_hop") is not None]
+        if not rows:
+            return ""
+        width = max([_WIDTH, *(len(r["scenario"]) for r in rows)])
+        head = f"{'per-transfer cost':{width}s} {'unit':>10s} {'kvoffload':>10s} {'bare hop':>10s} {'above':>10s}"
+        return "\n".join([head, "-" * len(head)] + [_fmt_hop_row(r, width) for r in rows])
+
+    def summary(self) -> str:
+        """Both tables and what each of their columns means."""
+        parts = [self.table(), *COLUMNS["table"]]
+        hops = self.hop_table()
+        if hops:
+            parts += ["", hops, *COLUMNS["hop_table"]]
+        return "\n".join(parts)
 
 
-def _fmt_row(r: dict[str, Any]) -> str:
-    def num(x: float | None, fmt: str = "10.2f") -> str:
-        return format(x, fmt) if x is not None else " " * (int(fmt.split(".")[0]) - 1) + "-"
+COLUMNS = {
+    "table": [
+        "kvoffload: kvoffload's figure, in the row's unit.",
+        "ceiling: what the row is held to: the hardware (one large pinned copy, raw O_DIRECT IO, redis-py's own GET/SET),",
+        "  or the same work without what the row measures (its note says which: 'ceiling = ...').",
+        "baseline: the seed-style baseline (kvoffload.bench.seed_baseline) doing the same work. /ceil, /base: kvoffload divided by them.",
+    ],
+    "hop_table": [
+        "bare hop: the same figure for bare cross-thread hops into an event loop, as many in flight, nothing else done",
+        "  (its note says one way or there and back): the floor under any design that crosses threads.",
+        "above: kvoffload minus the bare hop, in the row's unit (lower is better).",
+    ],
+}
+"""What each column of :meth:`Report.table` and :meth:`Report.hop_table` means, as printed under them."""
 
+_WIDTH = 38
+"""The scenario column's width in progress lines (tables widen it to their longest name)."""
+_HOP_WIDTH = 52
+"""The same for the rows against a bare hop (the names of per-transfer costs are longer)."""
+
+
+def _num(x: float | None, fmt: str = "10.2f") -> str:
+    return format(x, fmt) if x is not None else " " * (int(fmt.split(".")[0]) - 1) + "-"
+
+
+def _fmt_row(r: dict[str, Any], width: int) -> str:
     low = r.get("floor") is not None and r["vs_ceiling"] is not None and r["vs_ceiling"] < r["floor"]
-    return (f"{r['scenario']:38s} {r['unit']:>10s} {num(r['kvoffload'])} {num(r['ceiling'])} {num(r['baseline'])} "
-            f"{num(r['vs_ceiling'], '7.2f')} {num(r['vs_baseline'], '7.2f')}" + ("  BELOW FLOOR" if low else ""))
+    return (f"{r['scenario']:{width}s} {r['unit']:>10s} {_num(r['kvoffload'])} {_num(r['ceiling'])} {_num(r['baseline'])} "
+            f"{_num(r['vs_ceiling'], '7.2f')} {_num(r['vs_baseline'], '7.2f')}" + ("  BELOW FLOOR" if low else ""))
+
+
+def _fmt_hop_row(r: dict[str, Any], width: int) -> str:
+    return f"{r['scenario']:{width}s} {r['unit']:>10s} {_num(r['kvoffload'])} {_num(r['bare_hop'])} {_num(r['over_hop'], '+10.2f')}"
 
 
 def plot(report: Report, path: str) -> None:

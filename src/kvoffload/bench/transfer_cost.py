@@ -59,8 +59,7 @@ class Report(Protocol):
 
     def begin(self, what: str) -> None: ...
 
-    def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
-            baseline: float | None = None, note: str = "") -> None: ...
+    def row(self, scenario: str, unit: str, kvoffload: float, *, note: str = "", bare_hop: float | None = None) -> None: ...
 
 
 # -- per-thread counters ------------------------------------------------------------------------------
@@ -398,7 +397,7 @@ def transfer_cost_scenarios(
     rep: Report, dev: torch.device, scale: float = 1.0, repeats: int = 3, bulk_bytes: int = BULK_BYTES,
 ) -> None:
     """Per transfer kind and mode: caller CPU, kvoffload threads' CPU, GIL acquisitions (proxy) and
-    worker wake-ups per transfer, against a bare two-hop (the baseline column); the whole
+    worker wake-ups per transfer, against a bare two-hop (the bare hop column); the whole
     measurement in ``rep.extra["transfer_cost"]``. See :func:`measure` for the arguments."""
     rep.begin("per-transfer cost: caller CPU, kvoffload threads' CPU, GIL takes (context-switch proxy), wake-ups")
     data = measure(dev, scale, repeats, bulk_bytes)
@@ -408,17 +407,17 @@ def transfer_cost_scenarios(
     for label, modes in data["kinds"].items():
         for mode, r in modes.items():
             name = f"{label}, {mode}"
-            # baseline: a bare hop to another loop's thread and back, from the same number in flight
+            # bare hop: a hop to another loop's thread and back, from the same number in flight
             b = hop["awaited one by one" if mode == "awaited one by one" else "64 in flight"]
-            rep.row(f"{name}: caller CPU", "us/xfer", r["caller_cpu_us"], baseline=b["caller_cpu_us"],
-                    note=f"wall {r['wall_us']:.0f} us/xfer; baseline = a bare two-hop")
-            rep.row(f"{name}: kvoffload CPU", "us/xfer", r["kvoffload_cpu_us"], baseline=b["kvoffload_cpu_us"],
+            rep.row(f"{name}: caller CPU", "us/xfer", r["caller_cpu_us"], bare_hop=b["caller_cpu_us"],
+                    note=f"wall {r['wall_us']:.0f} us/xfer; bare hop there and back")
+            rep.row(f"{name}: kvoffload CPU", "us/xfer", r["kvoffload_cpu_us"], bare_hop=b["kvoffload_cpu_us"],
                     note="kvoffload-* threads, copies included")
-            rep.row(f"{name}: GIL takes", "GIL/xfer", r["gil_proxy"], baseline=b["gil_proxy"],
+            rep.row(f"{name}: GIL takes", "GIL/xfer", r["gil_proxy"], bare_hop=b["gil_proxy"],
                     note=f"context switches (vol {r['voluntary_switches']:.2f} + invol {r['involuntary_switches']:.2f}); "
                          f"per known wake the proxy counts {proxy['timed_sleep']:.2f} (GIL free) to {proxy['queue_get']:.2f}")
-            rep.row(f"{name}: wake-ups", "wakes/xfer", r["wakes"], baseline=b["wakes"],
-                    note="worker loop sleeps in select (baseline: voluntary switches)")
+            rep.row(f"{name}: wake-ups", "wakes/xfer", r["wakes"], bare_hop=b["wakes"],
+                    note="worker loop sleeps in select (bare hop: voluntary switches)")
 
 
 class _PrintingReport:
@@ -429,12 +428,11 @@ class _PrintingReport:
         self.rows: list[dict[str, Any]] = []
 
     def begin(self, what: str) -> None:
-        print(f"{what} ...\n  {'scenario':58s} {'unit':>10s} {'kvoffload':>10s} {'baseline':>10s}  note", flush=True)
+        print(f"{what} ...\n  {'scenario':58s} {'unit':>10s} {'kvoffload':>10s} {'bare hop':>10s}  note", flush=True)
 
-    def row(self, scenario: str, unit: str, kvoffload: float, ceiling: float | None = None,
-            baseline: float | None = None, note: str = "") -> None:
-        self.rows.append({"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "baseline": baseline, "note": note})
-        base = f"{baseline:10.2f}" if baseline is not None else " " * 9 + "-"
+    def row(self, scenario: str, unit: str, kvoffload: float, note: str = "", bare_hop: float | None = None) -> None:
+        self.rows.append({"scenario": scenario, "unit": unit, "kvoffload": kvoffload, "bare_hop": bare_hop, "note": note})
+        base = f"{bare_hop:10.2f}" if bare_hop is not None else " " * 9 + "-"
         print(f"  {scenario:58s} {unit:>10s} {kvoffload:10.2f} {base}  {note}", flush=True)
 
 
