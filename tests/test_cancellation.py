@@ -184,9 +184,9 @@ class _RingCountingCopier(StandInCopier):
         super().__init__(flag)
         self.rings = 0
 
-    def ring_when_complete(self, event, alarm) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
         self.rings += 1
-        super().ring_when_complete(event, alarm)
+        super().ring_when_complete(event, alarm, in_order)
 
 
 def _worker_with_flag(flag: StandInFlag):

@@ -65,12 +65,12 @@ class HeldRingsCopier(StandInCopier):
         self._through = False
         self._held: list = []
 
-    def ring_when_complete(self, event, alarm) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
         with self._lock:
             if not self._through:
                 self._held.append((event, alarm))
                 return
-        super().ring_when_complete(event, alarm)
+        super().ring_when_complete(event, alarm, in_order)
 
     def let_rings_through(self) -> None:
         with self._lock:
@@ -301,9 +301,9 @@ class WaiterRingsOnlyCopier(StandInCopier):
 
     watcher_semaphore: object = None
 
-    def ring_when_complete(self, event, alarm) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
         if alarm is not self.watcher_semaphore:
-            super().ring_when_complete(event, alarm)
+            super().ring_when_complete(event, alarm, in_order)
 
 
 @pytest.mark.parametrize("chunks", [1, 3], ids=["one copy", "three copies, a cancel flag"])
@@ -356,10 +356,14 @@ class RecordedRings(StandInCopier):
     def __init__(self, flag: StandInFlag) -> None:
         super().__init__(flag)
         self.rings: list = []
+        self.out_of_order: list = []
+        """Events rung for with ``in_order=False``."""
 
-    def ring_when_complete(self, event, alarm) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
         self.rings.append((event, alarm))
-        super().ring_when_complete(event, alarm)
+        if not in_order:
+            self.out_of_order.append(event)
+        super().ring_when_complete(event, alarm, in_order)
 
 
 @pytest.mark.parametrize("reports_landings", [True, False], ids=["store, chunk by chunk", "load"])
@@ -435,6 +439,32 @@ def test_a_job_left_by_its_sleeper_before_its_end_is_taken_back_by_the_watcher(m
         assert not waiter.is_alive() and len(outcome) == 1 and isinstance(outcome[0], kvoffload.TransferCancelled)
         spin_until(lambda: steps.finished.is_set(), what="the job ended")
         assert len(steps.ends) == 1 and steps.ends[0][2] and steps.cleanups == 1
+    finally:
+        rig.close()
+
+
+def test_a_cancels_rings_never_wait_behind_the_ring_for_a_later_copy(monkeypatch):
+    """The driver runs a stream's rings in order: a ring for the cancel flag's raise, or for the copy a
+    cancelled load ends with, queued behind the watcher's ring for the load's last copy would come
+    only once the whole load landed. The watcher asks both out of order (the copier gives them a
+    stream of their own), and the load ends cancelled once the copy running at the cancel landed."""
+    fresh_wake_semaphores(monkeypatch)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
+    rig = _Rig(copier)
+    try:
+        transfer, steps, events = rig.start(3, reports_landings=False)
+        events[0].complete()
+        spin_until(lambda: any(e is events[-1] for e, _ in copier.rings), what="the watcher's ring for the last copy")
+        assert transfer.cancel()
+        spin_until(lambda: len(copier.out_of_order) == 2, what="the rings of the raise and of the running copy")
+        assert copier.out_of_order[0] is copier.flag.raised and copier.out_of_order[1] is events[1]
+        assert not any(e is events[1] for e, _ in copier.rings[:-1]), "the running copy was rung for in order"
+        events[1].complete()
+        assert steps.finished.wait(HANG_S), "the cancelled load did not end once its running copy landed"
+        assert steps.ends[0][2] and not events[2].query(), "it waited for its last copy"
+        with pytest.raises(kvoffload.TransferCancelled):
+            transfer.result(0)
     finally:
         rig.close()
 

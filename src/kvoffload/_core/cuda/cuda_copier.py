@@ -90,15 +90,19 @@ class CudaBlockCopier:
         self.kernel_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self.copy_stream = torch.cuda.Stream(device=layout.device, priority=priority)
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
-        # Rings for threads asleep until a load lands: host functions wait here, delaying no copy.
-        self._ring_stream = torch.cuda.Stream(device=layout.device)
+        # Rings for threads asleep until a copy lands: host functions wait on streams of their own,
+        # delaying no copy. A stream runs its rings in order, so rings for events in completion order
+        # share one and the others (a cancel flag's raise, a copy before one already rung for) get
+        # the second: queued behind a ring for a later copy, they would ring only once that one landed.
+        self._ring_streams = (torch.cuda.Stream(device=layout.device), torch.cuda.Stream(device=layout.device))
         self._ring_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
-        # (cuStreamWaitEvent, cuLaunchHostFunc, the ring stream): how enqueue_ring rings a semaphore
-        self._ring_calls = (
-            self._calls.addresses["cuStreamWaitEvent"], self._calls.addresses["cuLaunchHostFunc"], self._ring_stream.cuda_stream,
+        # (cuStreamWaitEvent, cuLaunchHostFunc, a ring stream): how enqueue_ring rings a semaphore, in order and not
+        self._ring_calls = tuple(
+            (self._calls.addresses["cuStreamWaitEvent"], self._calls.addresses["cuLaunchHostFunc"], stream.cuda_stream)
+            for stream in self._ring_streams
         )
         self._copies = CopyEntryPoints(use_batch=use_batch_copy)
         # copy_engine="dma": no kernel at all; every piece is a DMA descriptor (no SM time)
@@ -153,14 +157,16 @@ class CudaBlockCopier:
             return
         self._copies.check(self._chunks.wait(handle))  # both streams: kernels touch cache blocks when staged, DMA when direct
 
-    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore) -> None:
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True) -> None:
         """Have the driver ring ``semaphore`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
-        function (no Python, no GIL)."""
+        function (no Python, no GIL). ``in_order=False``: ``event`` may complete before events rung for
+        earlier (a cancel flag's raise, an earlier copy): its ring goes on the second ring stream."""
         self._calls.ensure_context(self._device_index)
         handle = event.handle if isinstance(event, DriverEvent) else _event_handle(event)  # the usual case inlined
+        calls = self._ring_calls[0 if in_order else 1]
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
-            failed = enqueue_ring(*self._ring_calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
+            failed = enqueue_ring(*calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
         if failed is not None:
             self._copies.check(failed)
 

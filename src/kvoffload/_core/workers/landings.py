@@ -100,15 +100,19 @@ class LandingWatcher:
             ring = not self._ring_pending or not in_order
             self._ring_pending = True
         if ring:
-            self._ring_after(event)
+            self._ring_after(event, in_order)
 
-    def _ring_after(self, event: CopyEvent | None) -> None:
-        """Have the driver ring the watcher once ``event`` completes (None: look now)."""
+    def _ring_after(self, event: CopyEvent | None, in_order: bool = True) -> None:
+        """Have the driver ring the watcher once ``event`` completes (None: look now); ``in_order=False``:
+        ``event`` may complete before the copy a ring is on its way for."""
         if event is None:
             self._semaphore.ring()
             return
         try:
-            self._copier.ring_when_complete(event, self._semaphore)
+            if in_order:
+                self._copier.ring_when_complete(event, self._semaphore)
+            else:
+                self._copier.ring_when_complete(event, self._semaphore, in_order=False)
         except Exception:  # a failed device: the next look finds the copy failed
             log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
             self._semaphore.ring()
