@@ -5,7 +5,7 @@ every transfer spans chunks) through stores, loads, lookups, discards, transfers
 random point (by ``Transfer.cancel()`` from the copying thread, by cancelling the awaiting task,
 by an ``asyncio.timeout`` that fires mid-transfer, or right after the call) and close/reopen.
 
-The model is a dict ``key -> bytes stored`` plus the LRU order of each tier as the README documents
+The model is a dict ``key -> bytes stored`` plus the LRU order of each tier as docs/reference/api.md documents
 it: stores go to host memory; when it needs room its least-recently-used entries are spilled to disk;
 when the disk is full too its least-recently-used entries are dropped (``stats().evicted``); a store
 larger than the host tier sends its first keys to disk (the disk's least-recently-used entries make
@@ -147,7 +147,7 @@ def install_io_hooks(off: kvoffload.Offloader) -> None:
 
 
 class Model:
-    """What the README says the offloader holds: bytes per key, LRU order per tier, counters."""
+    """What the docs say the offloader holds: bytes per key, LRU order per tier, counters."""
 
     def __init__(self) -> None:
         self.data: dict = {}  # key -> {tensor name: block bytes}

@@ -6,8 +6,11 @@ options are checked strictly and never shown."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ from kvoffload._core.base.cache_identity import encode_key
 from kvoffload._core.base.sealing import Sealer, SecretKeys
 from kvoffload._core.tiers.remote import pack_value
 from support.caches import block_bytes, random_caches
-from support.redis_servers import binaries, redis_server  # binaries: a fixture
+from support.redis_servers import binaries, free_port, redis_server  # binaries: a fixture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -310,6 +313,28 @@ def test_a_wrong_database_and_an_unknown_host_fail_start(server):
         kvoffload.Offloader(random_caches(BLOCKS, seed=7), host_blocks=BLOCKS, remote=f"redis://127.0.0.1:{server.port}/99").start()
     with pytest.raises(StartError, match="unknown host"):
         kvoffload.Offloader(random_caches(BLOCKS, seed=7), host_blocks=BLOCKS, remote="redis://no-such-host.invalid:6379/0").start()
+
+
+def test_a_tls_failure_fails_start(binaries, tmp_path):
+    """A server whose certificate the client cannot verify (self-signed here) is a permanent error:
+    ``start()`` raises StartError naming the TLS failure, not retrying forever."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate to serve")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(redis_server(binaries, tls))
+        except RuntimeError as e:
+            pytest.skip(f"this redis-server serves no TLS: {e}")
+        off = kvoffload.Offloader(random_caches(BLOCKS, seed=7), host_blocks=BLOCKS, remote=f"rediss://127.0.0.1:{tls_port}/0")
+        with pytest.raises(StartError, match="TLS failure") as e:
+            off.start()
+        assert f"127.0.0.1:{tls_port}" in str(e.value)
 
 
 def test_a_down_server_still_starts_and_says_so_once(binaries, caplog):

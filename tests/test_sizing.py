@@ -250,7 +250,7 @@ def test_the_gpu_staging_buffers_are_what_the_footprint_says():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("copy_engine, buffers", [("kernel", 4), ("dma", 0)])
 def test_stats_report_the_gpu_staging_bytes_the_sizing_section_gives(copy_engine, buffers):
-    """README, Sizing: ``4 * chunk`` of GPU memory with ``copy_engine="kernel"``, none with ``"dma"``;
+    """docs/how-to/sizing.md: ``4 * chunk`` of GPU memory with ``copy_engine="kernel"``, none with ``"dma"``;
     ``stats().gpu_staging_bytes`` says so while started, and what start() allocated agrees."""
     chunk = 1 << 20  # whole slots of random_caches' blocks
     caches = random_caches(64, device="cuda", seed=4)

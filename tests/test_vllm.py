@@ -499,7 +499,7 @@ def test_sizes_take_binary_suffixes_and_are_totals_for_the_engines_ranks():
     tp = OffloadingSpecFactory.create_spec(config_of({"host_bytes": "8MiB", "disk_bytes": 16 << 20, "disk_path": "/tmp/kv"}, world_size=4))
     assert (tp.host_blocks, tp.disk_blocks) == (256, 512)
     assert tp.get_manager().capacity == (256 + 512) // BPC
-    # the README's tensor-parallel example: 64 GiB of host memory and a 100 GiB file per rank
+    # the vLLM guide's tensor-parallel example: 64 GiB of host memory and a 100 GiB file per rank
     readme = OffloadingSpecFactory.create_spec(config_of(
         {"host_bytes": "256GiB", "disk_path": "/mnt/nvme/kv", "disk_bytes": "400GiB"}, world_size=4))
     assert (readme.host_blocks * 8192, readme.disk_blocks * 8192) == (64 << 30, 100 << 30)
