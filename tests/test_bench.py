@@ -47,6 +47,10 @@ def test_bench_command_small(tmp_path):
     for name in ("engine step, 3 ms of Python", "engine step, 10 ms of Python", "Python loop beside 5,000 one-block stores/s",
                  "Python loop beside one-block stores, unpaced"):
         assert rows[name]["ceiling"] > 0 and rows[name]["baseline"] > 0, name
+    # where the engine step's time goes, per variant: the system's calls, its waits, the step's own Python
+    parts = data["extra"]["engine_loop"]["3ms"]
+    assert parts["bare_calls_us"] < parts["kvoffload_calls_us"] and parts["kvoffload_python_us"] >= 3000 * 0.9
+    assert "in its calls" in rows["engine step, 3 ms of Python"]["note"]
     if redis_unavailable() is None:
         assert rows["TTFT 64 tokens, remote"]["ceiling"] == rows["TTFT 64 tokens, recompute"]["kvoffload"]
         # the remote loads into host slots and through disk slots, beside the same redis-py GETs
