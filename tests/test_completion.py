@@ -177,6 +177,22 @@ def fail_on_device(event) -> None:
     event.complete()
 
 
+def wait_in_thread(transfer) -> tuple[threading.Thread, list[object]]:
+    """A started thread ("blocked-waiter") blocked in ``transfer.result()``, and the list that gets
+    what it returned, or what it raised."""
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(transfer.result())
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait, name="blocked-waiter")
+    waiter.start()
+    return waiter, outcome
+
+
 # -- who ends it ---------------------------------------------------------------------------------
 
 
@@ -319,9 +335,7 @@ def test_a_thread_blocked_in_result_is_rung_by_the_driver_and_ends_the_transfer_
     try:
         copier.watcher_semaphore = rig.watcher._semaphore
         transfer, steps, events = rig.start(chunks)
-        outcome: list[object] = []
-        waiter = threading.Thread(target=lambda: outcome.append(transfer.result()), name="blocked-waiter")
-        waiter.start()
+        waiter, outcome = wait_in_thread(transfer)
         spin_until(lambda: bool(transfer._job is not None and transfer._job.sleepers and events[-1].alarmed.is_set()),
                    what="the waiter asleep, its ring enqueued")
         for e in events:
@@ -380,9 +394,7 @@ def test_the_watcher_leaves_the_last_copy_of_a_job_to_the_thread_asleep_on_it(mo
     watcher_semaphore = rig.watcher._semaphore
     try:
         transfer, steps, events = rig.start(3, reports_landings)
-        outcome: list[object] = []
-        waiter = threading.Thread(target=lambda: outcome.append(transfer.result()), name="blocked-waiter")
-        waiter.start()
+        waiter, outcome = wait_in_thread(transfer)
         spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
                    what="the waiter asleep, its ring enqueued")
         for i in range(2):  # a store's watcher looks after each copy but the last; a load's after its first only
@@ -417,16 +429,7 @@ def test_a_job_left_by_its_sleeper_before_its_end_is_taken_back_by_the_watcher(m
     watcher_semaphore = rig.watcher._semaphore
     try:
         transfer, steps, events = rig.start(2)
-        outcome: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                transfer.result()
-            except BaseException as e:
-                outcome.append(e)
-
-        waiter = threading.Thread(target=wait, name="blocked-waiter")
-        waiter.start()
+        waiter, outcome = wait_in_thread(transfer)
         spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
                    what="the waiter asleep, its ring enqueued")
         looks = watcher_semaphore.sleeps
@@ -493,16 +496,7 @@ def test_a_cancel_ends_a_thread_blocked_on_a_load_once_the_running_chunk_lands(r
     copying now: it raises TransferCancelled though the later copies (their DMAs) have not completed;
     the cancel flag goes back only once they have."""
     transfer, steps, events = rig.start()
-    outcome: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            transfer.result()
-        except BaseException as e:
-            outcome.append(e)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiter, outcome = wait_in_thread(transfer)
     spin_until(lambda: blocked(transfer), what="result() blocked")
     assert transfer.cancel()
     spin_until(lambda: steps.stop_at == 0, what="the watcher chose the copy the cancelled load ends with")

@@ -109,10 +109,7 @@ class LandingWatcher:
             self._semaphore.ring()
             return
         try:
-            if in_order:
-                self._copier.ring_when_complete(event, self._semaphore)
-            else:
-                self._copier.ring_when_complete(event, self._semaphore, in_order=False)
+            self._copier.ring_when_complete(event, self._semaphore, in_order)
         except Exception:  # a failed device: the next look finds the copy failed
             log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
             self._semaphore.ring()
