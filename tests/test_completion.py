@@ -621,8 +621,9 @@ def _land_once_settled(copier: StandInCopier, submitted: int) -> threading.Threa
 
 
 @pytest.mark.parametrize("where", ["between two copies", "ordering after the caller"])
-def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_and_the_flag_is_back(rig, where):
-    """What the caller may then free (slots, pins) no copy still writes or reads."""
+def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_and_abandon_gives_the_flag_back(rig, where):
+    """What the caller may then free (slots, pins) no copy still writes or reads. The enqueue takes no
+    lock of the jobs' (a caller may hold the index's): the cancel flag goes back with ``abandon``."""
     if where == "between two copies":
         requests, submitted, after = _InterruptedAfter(rig.requests(3), 2), 2, None
     else:
@@ -636,12 +637,13 @@ def test_an_interrupt_while_copies_are_enqueued_propagates_once_they_completed_a
     with pytest.raises(KeyboardInterrupt):
         rig.worker._submitter.enqueue(job, requests, after)
     complete_when_raised = [e.query() for e in rig.copier.events]
-    flag_back_when_raised = rig.copier.flag.released.is_set()
     if lander is not None:
         lander.join()
     assert complete_when_raised == [True] * submitted, "the interrupt propagated with copies still running"
-    assert flag_back_when_raised, "the interrupt propagated with the load's cancel flag still taken"
     assert len(job.events) == submitted
+    rig.worker.abandon(job)
+    assert rig.copier.flag.released.is_set(), "abandoned with the load's cancel flag still taken"
+    assert job.transfer.cancelled()
 
 
 @pytest.mark.parametrize("worker_took_it", [False, True], ids=["before-the-worker-took-it", "after"])

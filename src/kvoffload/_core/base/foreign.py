@@ -5,7 +5,7 @@ as is, some exceptions would not: asyncio refuses ``StopIteration`` in a
 future (the transfer would hang), a ``CancelledError`` would read as a
 cancellation, an ``OffloadError`` would pass as the library's own, and
 ``SystemExit`` & co. would stop a worker loop. :func:`call_foreign` turns
-them all into :class:`ForeignCallError`; :func:`as_transfer_error` is the other half, what a
+them all into :class:`ForeignCallError` (:func:`foreign_error` where the call is made inline); :func:`as_transfer_error` is the other half, what a
 transfer reports for whatever reached its worker.
 """
 
@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from .errors import OffloadError, TransferError
 
-__all__ = ["ForeignCallError", "as_transfer_error", "call_foreign"]
+__all__ = ["ForeignCallError", "as_transfer_error", "call_foreign", "foreign_error"]
 
 R = TypeVar("R")
 
@@ -40,7 +40,13 @@ def call_foreign(what: str, fn: Callable[..., R], *args: object) -> R:
     except OSError:
         raise
     except BaseException as e:
-        raise ForeignCallError(f"{what} raised {_describe(e)}") from e
+        raise foreign_error(what, e) from e
+
+
+def foreign_error(what: str, e: BaseException) -> ForeignCallError:
+    """The :class:`ForeignCallError` for ``e`` (not an ``OSError``), raised by ``what``, for callers that
+    make the foreign call inline (a call fewer per copy) and raise it ``from e``."""
+    return ForeignCallError(f"{what} raised {_describe(e)}")
 
 
 def _describe(e: BaseException) -> str:

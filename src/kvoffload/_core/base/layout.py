@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .keys import check_keys
+from .keys import NATIVE_KEY_TYPES, check_keys
 
 __all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
 
@@ -360,7 +360,8 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool, ca
     """
     if not isinstance(blocks, Mapping):
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
-    check_keys(call, blocks)
+    if not NATIVE_KEY_TYPES.issuperset(map(type, blocks)):  # the first look of check_keys, inlined: a call fewer
+        check_keys(call, blocks)
     ids = blocks.values()
     if len(blocks) > 16 and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:  # a large call, at C speed
         plain: dict[Hashable, int] = dict(blocks)

@@ -39,6 +39,7 @@ the kernel stream, so each direction's completions arrive in submission order.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ import torch
 
 from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout
-from ..base.piece_copies import ChunkCopies, enqueue_pieces, enqueue_ring, enqueue_runs
+from ..base.piece_copies import ChunkCopies, context_status, enqueue_pieces, enqueue_ring, enqueue_runs
 from .cancel_flags import CancelFlag, CancelFlags
 from .driver import CopyEntryPoints, DriverEvent, enqueue_calls, host_device_address
 from .kernels import HostScatter, piece_kernel
@@ -99,6 +100,9 @@ class CudaBlockCopier:
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
         self._calls = enqueue_calls()
+        self._no_context: Callable[[], int] = functools.partial(context_status, self._calls.addresses["cuCtxGetCurrent"])
+        """Non-zero when the calling thread has no current context (``ensure_context`` makes it): asked
+        before every call, at C speed (a call fewer than ``ensure_context``'s)."""
         # (cuStreamWaitEvent, cuLaunchHostFunc, a ring stream): how enqueue_ring rings a semaphore, in order and not
         self._ring_calls = tuple(
             (self._calls.addresses["cuStreamWaitEvent"], self._calls.addresses["cuLaunchHostFunc"], stream.cuda_stream)
@@ -139,14 +143,16 @@ class CudaBlockCopier:
 
     def caller_event(self) -> DriverEvent:
         """An event recorded now on the calling thread's current stream (what its work so far ends with)."""
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         return DriverEvent(self._device_index).record(_current_raw_stream(self._device_index))
 
     def wait_for(self, event: Any) -> None:
         """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``), or, if
         None, for the work enqueued so far on the calling thread's current stream (an event of the
         copier's own recorded there and waited for in one C call: callers hold the submit lock)."""
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         if event is None:
             failed = self._chunks.wait_for_stream(_current_raw_stream(self._device_index))
             if failed is not None:
@@ -162,7 +168,8 @@ class CudaBlockCopier:
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL). ``in_order=False``: ``event`` may complete before events rung for
         earlier (a cancel flag's raise, an earlier copy): its ring goes on the second ring stream."""
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         handle = event.handle if isinstance(event, DriverEvent) else _event_handle(event)  # the usual case inlined
         calls = self._ring_calls[0 if in_order else 1]
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
@@ -188,16 +195,11 @@ class CudaBlockCopier:
         finally:
             self._cancel = (0, 0)
 
-    def _direct(self, nblocks: int) -> bool:
-        if not self._staging:
-            return True
-        return nblocks * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]
-
     def _chunk(self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
         """One chunk's copies, enqueued by one C call (:class:`~..base.piece_copies.ChunkCopies`); its
         completion event (on the copy stream for a store, the kernel stream for a load)."""
         done = DriverEvent(self._device_index)
-        if self._direct(len(block_ids)):
+        if not self._staging or (len(block_ids) * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]):  # direct
             failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0)
             if failed is not None:
                 self._copies.check(failed)
@@ -254,13 +256,15 @@ class CudaBlockCopier:
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
         """Copy cache blocks into host rows; returns the completion event (on the copy stream)."""
         assert len(block_ids) <= self.chunk_blocks
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         return self._chunk(True, block_ids, host, rows)
 
     def to_device(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> DriverEvent:
         """Copy host rows into cache blocks; returns the completion event (on the kernel stream)."""
         assert len(block_ids) <= self.chunk_blocks
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         if self._loads_by_sm:
             self._scatter_from_host(host, rows, block_ids).launch(self._kstream, range(len(self._pieces)))
             return self._record(self._kstream)
@@ -274,7 +278,8 @@ class CudaBlockCopier:
         their device mapping: enqueueing costs microseconds per tensor, so the first tensor starts
         moving at once. Without it, one batched DMA of every piece of the tensor (the driver takes
         about a microsecond per piece to enqueue, so later tensors wait on the enqueueing)."""
-        self._calls.ensure_context(self._device_index)
+        if self._no_context():
+            self._calls.ensure_context(self._device_index)
         if self._kernel is not None:
             return self._scatter_by_tensor(host, rows, block_ids)
         events: list[DriverEvent] = []

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from ..base.foreign import ForeignCallError
 
-__all__ = ["CopyEvent", "completed", "wait_completed"]
+__all__ = ["CopyEvent", "completed", "copy_failed", "wait_completed"]
 
 
 class CopyEvent(Protocol):
@@ -40,7 +40,7 @@ def completed(event: CopyEvent) -> bool:
     try:
         return bool(event.query())
     except Exception as e:
-        raise _copy_failed(e) from e
+        raise copy_failed(e) from e
 
 
 def wait_completed(event: CopyEvent) -> None:
@@ -49,12 +49,16 @@ def wait_completed(event: CopyEvent) -> None:
     try:
         event.synchronize()
     except Exception as e:
-        raise _copy_failed(e) from e
+        raise copy_failed(e) from e
 
 
-def _copy_failed(e: Exception) -> ForeignCallError:
+def copy_failed(e: Exception) -> ForeignCallError:
+    """The error a transfer gets for ``e``, raised by a copy's completion event (:func:`completed`), ``e``
+    as its cause."""
     try:
         text = str(e)  # foreign: its __str__ may raise
     except Exception:
         text = ""
-    return ForeignCallError(f"a copy failed on the device: {type(e).__name__}" + (f": {text}" if text else ""))
+    err = ForeignCallError(f"a copy failed on the device: {type(e).__name__}" + (f": {text}" if text else ""))
+    err.__cause__ = e
+    return err

@@ -76,6 +76,11 @@ from .entries import DISK, HOST, TIER_NAMES, VISIBLE, Entry, State, Tier
 from .holds import Holds
 from .repair import IndexRepair
 
+StartCopies = Callable[[list[int]], Callable[[], None]]
+"""``start_copies(slots)``: start a transfer's copies between its blocks and ``slots`` (host slots, in
+its blocks' order) now, under the index's lock; returns what waits until they completed (called
+before the slots go back, should the call that started them be cut short)."""
+
 __all__ = ["DISK", "HOST", "BlockIndex", "Entry", "Evicted", "IndexCounts", "Pin", "Reservation", "Spill", "State"]
 
 
@@ -313,7 +318,10 @@ class BlockIndex:
 
     # -- store side ---------------------------------------------------------------
 
-    def reserve(self, keys: Iterable[Hashable], into: Reservation | None = None, *, staged_in_host: bool = True) -> Reservation:
+    def reserve(
+        self, keys: Iterable[Hashable], into: Reservation | None = None, *, staged_in_host: bool = True,
+        start_copies: StartCopies | None = None,
+    ) -> Reservation:
         """Reserve one slot in the store tier per new key, making room as needed.
 
         Keys already present (in any state but GONE) are skipped. Room comes
@@ -335,6 +343,10 @@ class BlockIndex:
 
         ``staged_in_host=False``: the disk-bound blocks need no host slot on their way (a remote
         load stages them in the disk tier's bounce buffer), so they may have all of the disk slots.
+
+        ``start_copies``: where every key is new and free host slots take them all (nothing spilled,
+        evicted or skipped), called with those slots (in key order) as soon as they are taken, before
+        the entries are made (about a microsecond a key), so that a large store's copies run meanwhile.
         """
         into = Reservation([], [], []) if into is None else into
         if self.holds.next_expiry <= time.monotonic():  # expired holds make room first (a look: no call while none)
@@ -380,7 +392,12 @@ class BlockIndex:
             entries: list[Entry] = []
             evicted: list[Evicted] | None = [] if self.report_evictions else None
             self._evicted = evicted
+            early: list[int] | None = None  # the slots start_copies was given
+            settle: Callable[[], None] | None = None
             try:
+                if start_copies is not None and t == HOST and shortfall <= 0 and not taken_back and not skipped and n:
+                    early = tier.claim(n)
+                    settle = start_copies(early)
                 if taken_back:
                     self._take_back_promotions(taken_back)  # stays done if cut short below: those loads read the plain way
                 for v in victims:  # a victim with a clean disk copy goes back to it: nothing to write
@@ -410,7 +427,7 @@ class BlockIndex:
                         self._evict(v)
                 # Free slots first; the spilled host slots go to the last new entries, which the store writes last.
                 n_free = len(entries) - direct - len(to_spill)
-                tier.take_in_order(entries[direct : direct + n_free])
+                tier.take_in_order(entries[direct : direct + n_free], early)
                 spills = []
                 for e, (v, disk_slot) in zip(entries[direct + n_free :], to_spill):
                     v.state = State.SPILLING
@@ -423,6 +440,8 @@ class BlockIndex:
                     into.evicted = evicted
                 return into
             except BaseException:
+                if settle is not None:  # copies into the slots taken: they must have landed before the slots go back
+                    settle()
                 self._repair.undo_reservation(victims + changed, entries)
                 raise
             finally:
@@ -598,6 +617,7 @@ class BlockIndex:
 
     def pin(
         self, keys: Sequence[Hashable], into: list[Pin] | None = None, taking: Sequence[Pin | None] | None = None,
+        start_copies: StartCopies | None = None,
     ) -> list[Pin]:
         """Pin the current copy of each key for a load (each becomes most recently used).
 
@@ -611,23 +631,28 @@ class BlockIndex:
         With promotion on, each pin of a disk-resident entry takes a free host slot while there is one
         (:attr:`Pin.promote_slot`; nothing is evicted or spilled for it): the load reads the disk copy
         into it, then calls :meth:`promotion_done`.
+
+        ``start_copies``: where every key is visible in host memory and none is taken over, called with
+        their host slots (in key order) once that is known, before the pins are made (about a
+        microsecond a key), so that a large load's copies run meanwhile.
         """
         keys = list(keys)
         out: list[Pin] = [] if into is None else into
         if self.holds.next_expiry <= time.monotonic():
             self.holds.expire()
         with self._lock:
-            pins, missing = self._pin(keys, [self._entries.get(k) for k in keys], out, taking, self._promote)
+            pins, missing = self._pin(keys, [self._entries.get(k) for k in keys], out, taking, self._promote, start_copies)
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
         return pins
 
     def _pin(
         self, keys: Sequence[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
-        promote: bool = False,
+        promote: bool = False, start_copies: StartCopies | None = None,
     ) -> tuple[list[Pin], list[Hashable]]:
         """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
-        visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`)."""
+        visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`);
+        ``start_copies`` as for :meth:`pin`."""
         held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
         visible = VISIBLE
         missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
@@ -637,7 +662,12 @@ class BlockIndex:
         tiers = self._tiers
         host, ready = tiers[HOST], State.READY
         host_free, host_readers = host.free, host.readers
+        settle: Callable[[], None] | None = None
         try:
+            if start_copies is not None and taking is None:
+                slots = [e.slot for e in found if e.tier == HOST]  # type: ignore[union-attr]  # none missing
+                if len(slots) == len(found):
+                    settle = start_copies(slots)
             for i, e in enumerate(found):
                 if held[i]:
                     old = taking[i]  # type: ignore[index]  # held[i] only where taking[i] is a pin
@@ -664,6 +694,8 @@ class BlockIndex:
                     self._promoting += 1
                     self._unstarted[p] = None
         except BaseException:  # an interrupt: give back what was pinned so far, and taken holds to their lease
+            if settle is not None:  # copies out of the slots: they must have landed before the slots go back
+                settle()
             for p, old in moved:
                 if p.held:
                     p.held, old.held = False, True

@@ -292,23 +292,45 @@ class TieredStorage:
             plan.on_stored = remote.write_through
         worker = self.workers.store
         try:
-            reservation = self.index.reserve(blocks, plan.reservation)
+            early = None
+            if len(blocks) > self.chunk_blocks and self._early():  # a small store: no call
+                early = functools.partial(self._store_early, plan, blocks, after)
+            reservation = self.index.reserve(blocks, plan.reservation, start_copies=early)
             if reservation.evicted and self.remote is not None:
                 self._capture_evicted_on_host(reservation)
             if not reservation.entries:  # done at the call: counted, never in flight
                 plan.end(TransferResult("store", (), tuple(reservation.skipped), 0, 0.0))
                 return plan.transfer
             self.metrics.started(plan)
-            plan.block_ids = [blocks[e.key] for e in reservation.entries]
             requests = None
-            if not reservation.to_disk and not reservation.spills:
-                assert self.host is not None
-                requests = self.host.requests_in([(b, e.slot) for b, e in zip(plan.block_ids, reservation.entries)])
+            if plan.events is None:  # not submitted by _store_early
+                plan.block_ids = [blocks[e.key] for e in reservation.entries]
+                if not reservation.to_disk and not reservation.spills:
+                    assert self.host is not None
+                    requests = self.host.requests_in(plan.block_ids, [e.slot for e in reservation.entries])
             worker.start(plan, after, requests, functools.partial(self._run_store, plan))
         except BaseException:
             worker.abandon(plan)
             raise
         return plan.transfer
+
+    def _early(self) -> bool:
+        """Whether a transfer of more than one chunk between the cache and host slots alone has its
+        copies submitted under the index's lock, as soon as its slots are known (:meth:`_store_early`,
+        :meth:`_load_early`): GPU copies, whose per-block bookkeeping (about a microsecond a block)
+        then runs while they do."""
+        return self.host is not None and self.layout.is_cuda
+
+    def _store_early(self, plan: StorePlan, blocks: dict[Hashable, int], after: Any, slots: list[int]) -> Callable[[], None]:
+        """(:meth:`BlockIndex.reserve`'s ``start_copies``: every key of ``blocks`` is new, in ``slots``.)"""
+        assert self.host is not None
+        plan.block_ids = list(blocks.values())
+        return self.workers.store.submit_now(plan, self.host.requests_in(plan.block_ids, slots), after)
+
+    def _load_early(self, plan: LoadPlan, after: Any, slots: list[int]) -> Callable[[], None]:
+        """(:meth:`BlockIndex.pin`'s ``start_copies``: every key is in host memory, in ``slots``.)"""
+        assert self.host is not None
+        return self.workers.load.submit_now(plan, self.host.requests_out(slots, plan.block_ids), after)
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk: first those
@@ -369,7 +391,7 @@ class TieredStorage:
         them out; the running transfer. ``taking``: a lease's pins to take over, by position in
         ``blocks`` (:meth:`BlockIndex.pin`). Raises MissingKeysError with nothing pinned or taken. An
         interrupt anywhere in here leaks nothing (the worker's :meth:`~CopyWorker.abandon`)."""
-        remote_keys = self._remote_keys(blocks, taking) if blocks else []
+        remote_keys = self._remote_keys(blocks, taking) if blocks and self.remote is not None else []
         plan: LoadPlan
         if remote_keys:
             plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes, self.tensor_names)
@@ -385,7 +407,10 @@ class TieredStorage:
                 self.metrics.started(plan)
                 worker.start(plan, after, run=functools.partial(self._run_remote_load, plan))
                 return plan.transfer
-            self.index.pin(list(blocks), plan.pins, taking)
+            early = None
+            if len(blocks) > self.chunk_blocks and not per_tensor and not expedited and taking is None and self._early():
+                early = functools.partial(self._load_early, plan, after)
+            self.index.pin(list(blocks), plan.pins, taking, early)
             self.metrics.started(plan)
             worker = self.start_load(plan, after, per_tensor, expedited)
         except BaseException:
@@ -455,11 +480,14 @@ class TieredStorage:
         ``per_tensor`` (a GPU cache, every key in host memory): copy tensor by tensor and report each
         one's completion to the transfer; elsewhere every tensor is done with the transfer.
         ``expedited`` (every key in host memory): on the expedited worker, behind no other load."""
+        if plan.events is not None:  # submitted by _load_early: followed
+            self.workers.load.start(plan, after)
+            return self.workers.load
         all_host = DISK not in [p.tier for p in plan.pins]
         requests = None
         if all_host:
             assert self.host is not None
-            requests = self.host.requests_out([(p.slot, b) for p, b in zip(plan.pins, plan.block_ids)])
+            requests = self.host.requests_out([p.slot for p in plan.pins], plan.block_ids)
         # The expedited worker takes copies at call time (GPU) or one chunk (CPU) only (its loop runs
         # no task); anything else goes the regular way.
         host_job = requests is not None and (self.layout.is_cuda or len(requests) == 1)

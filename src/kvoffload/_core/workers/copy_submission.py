@@ -17,7 +17,7 @@ import torch
 
 from .copier import BlockCopier
 from ..cuda.events import CopyEvent
-from ..base.foreign import call_foreign
+from ..base.foreign import call_foreign, foreign_error
 
 if TYPE_CHECKING:
     from .job import Job
@@ -93,29 +93,38 @@ class CopySubmitter:
 
         The copies are recorded in ``job.events`` as they are submitted. On a ``BaseException``
         raised around the copier's calls (a signal handler's ``KeyboardInterrupt``, say): waits until
-        the copies submitted by then have completed and gives the cancel flag back, then re-raises;
-        the caller may then free the slots.
+        the copies submitted by then have completed, then re-raises; the caller may then free the
+        slots (and gives the cancel flag back: :meth:`~.job.Job.settle`). Takes no lock of the jobs':
+        the index's lock may be held (:meth:`~.copy_worker.CopyWorker.submit_now`).
         """
         events: list[CopyEvent | None] = []
         job.events = events
-        flag = job.cancel_flag = self.copier.take_cancel_flag() if self.kind == "load" and (len(requests) > 1 or by_tensor) else None
+        copier = self.copier
+        flag = job.cancel_flag = copier.take_cancel_flag() if self.kind == "load" and (len(requests) > 1 or by_tensor) else None
         calls = self.calls
+        own = calls.to_host is _to_host and calls.to_device is _to_device  # no test seam: the copier's own calls, a call fewer
         try:
             with self._lock:
                 try:
-                    self.copier.wait_for(after)  # None: the caller's current stream (this is the caller's thread)
-                    with self.copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
+                    copier.wait_for(after)  # None: the caller's current stream (this is the caller's thread)
+                    with copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
                         if by_tensor is not None:
-                            events.extend(call_foreign("copy to device", self.copier.to_device_by_tensor, *by_tensor))  # type: ignore[attr-defined]
-                        for r in requests if by_tensor is None else ():  # :meth:`submit`, inlined: a call fewer per copy
-                            if r.to_host:
-                                events.append(call_foreign("copy to host", calls.to_host, self.copier, r.block_ids, r.host, r.rows))
-                            else:
-                                events.append(call_foreign("copy to device", calls.to_device, self.copier, r.host, r.rows, r.block_ids))
+                            events.extend(call_foreign("copy to device", copier.to_device_by_tensor, *by_tensor))  # type: ignore[attr-defined]
+                        for r in requests if by_tensor is None else ():  # :meth:`submit`, inlined: two calls fewer per copy
+                            try:
+                                if r.to_host:
+                                    event = copier.to_host(r.block_ids, r.host, r.rows) if own else calls.to_host(copier, r.block_ids, r.host, r.rows)
+                                else:
+                                    event = copier.to_device(r.host, r.rows, r.block_ids) if own else calls.to_device(copier, r.host, r.rows, r.block_ids)
+                            except OSError:
+                                raise
+                            except BaseException as e:  # as call_foreign maps it
+                                raise foreign_error("copy to host" if r.to_host else "copy to device", e) from e
+                            events.append(event)
                 except Exception as e:  # OSError, ForeignCallError, a driver error: fails this transfer only
                     job.error = e
         except BaseException:
-            job.settle()
+            job.wait_copies()
             raise
 
     def submit_runs(self, requests: Sequence[CopyRequest]) -> Iterator[tuple[int, int, Any, Exception | None]]:

@@ -101,13 +101,15 @@ class CopyWorker:
         by_tensor: tuple[torch.Tensor, Sequence[int], Sequence[int]] | None = None,
     ) -> None:
         """Run ``job``: its ``requests`` (copies between the cache and host slots alone) at call time
-        (GPU; ``by_tensor``: as ``(host rows, slots, block ids)`` of a per-tensor load instead) or as one
+        (GPU; ``by_tensor``: as ``(host rows, slots, block ids)`` of a per-tensor load instead; none if
+        :meth:`submit_now` submitted them, then they are followed) or as one
         chunk on the worker (CPU, one request); otherwise ``run(after)`` as a task. ``after`` None:
         after the work enqueued so far on the caller's current stream. The hand-over is last: an
         exception before it leaves the job to :meth:`abandon`."""
         job.worker = self
-        if requests is not None and self._watcher is not None:
-            self._submitter.enqueue(job, requests, after, by_tensor)
+        if self._watcher is not None and (requests is not None or job.events is not None):
+            if job.events is None:  # else submitted already (:meth:`submit_now`)
+                self._submitter.enqueue(job, requests or (), after, by_tensor)
             if by_tensor is not None:
                 job.transfer._track_tensors(job.events or [])
             job.taken = time.perf_counter()
@@ -129,6 +131,15 @@ class CopyWorker:
             return
         assert run is not None
         self.loop.mailbox.post(self._create_task, job, run, after)
+
+    def submit_now(self, job: Job, requests: list[CopyRequest], after: Any) -> Callable[[], None]:
+        """(A GPU worker.) Submit ``job``'s copies between the cache and host slots in the calling
+        thread now, while the index is still being changed under its lock, so that a large transfer's
+        copies run during its bookkeeping; :meth:`start` then follows them. Returns what waits until
+        they completed (:meth:`~.job.Job.wait_copies`: it takes no lock of the jobs')."""
+        job.worker = self
+        self._submitter.enqueue(job, requests, after)
+        return job.wait_copies
 
     def cancel(self, job: Job) -> None:
         """(Any thread, the transfer's cancel recorded.) A task is cancelled on its loop; a load with a

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..base.cross_thread import give_back_wake_semaphore, take_wake_semaphore
 from ..base.foreign import ForeignCallError, as_transfer_error
-from ..cuda.events import CopyEvent, completed, wait_completed
+from ..cuda.events import CopyEvent, completed, copy_failed, wait_completed
 from .transfer import Transfer, TransferResult
 
 if TYPE_CHECKING:
@@ -115,8 +115,13 @@ class Job:
     # -- its copies ---------------------------------------------------------------------------
 
     def settle(self) -> None:
+        """:meth:`wait_copies`, then give the cancel flag back."""
+        self.wait_copies()
+        self.release_flag()
+
+    def wait_copies(self) -> None:
         """Block until every copy submitted outside a task has completed or failed: nothing more is
-        written (a cleanup path: a failed copy counts as settled). Then give the cancel flag back."""
+        written (a cleanup path: a failed copy counts as settled)."""
         for event in reversed(self.events or ()):  # in stream order: the last one covers all
             if event is not None:
                 try:
@@ -124,7 +129,6 @@ class Job:
                 except ForeignCallError:
                     pass
                 break
-        self.release_flag()
 
     def release_flag(self) -> None:
         """No kernel reads the cancel flag any more: give it back (once)."""
@@ -167,12 +171,14 @@ class Job:
             return False
         last = events[-1]
         try:
-            if last is not None and not completed(last):
+            if last is not None and not last.query():  # :func:`completed`, inlined: the hot path of every await
                 return False
-        except ForeignCallError as e:
-            return self.failed(e)
+        except Exception as e:
+            return self.failed(copy_failed(e))
         self.report(len(events) - 1)
-        return self.copies_done()
+        if self.cancel_flag is not None:  # :meth:`copies_done`, inlined: no cancel came, nothing failed
+            self.release_flag()
+        return self.end()
 
     # -- the end --------------------------------------------------------------------------------
 

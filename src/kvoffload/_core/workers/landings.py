@@ -224,8 +224,8 @@ def _next_event(job: Job) -> CopyEvent | None:
 
 def _advance(job: Job) -> bool:
     """Report what of ``job`` landed, end it when it is done; True once the watcher is done with it."""
-    if not job.take():  # its interrupted caller withdrew it, and ends it
-        return True
+    if (job.ended and job.cancel_flag is None) or not job.take():  # ended by a waiter that found it landed (a
+        return True  # cancelled load's flag goes back with its last copy); or withdrawn by its interrupted caller, who ends it
     events = job.events or []
     i, n = job.next_landing, len(events)
     while i < n:

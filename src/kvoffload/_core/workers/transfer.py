@@ -220,6 +220,8 @@ class Transfer:
             job = self._job  # _finish_if_landed, inlined: the hot path of every await
             if job is None or self._generation != PROCESS.generation or not job.end_if_landed():
                 return (yield from self._wait().__await__())
+        if self._state == _DONE:  # :meth:`_outcome`'s first case, inlined
+            return self._result  # type: ignore[return-value]  # set with _DONE
         return self._outcome()
 
     # -- per-tensor completion (loads) ------------------------------------------
