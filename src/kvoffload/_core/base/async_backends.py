@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .cross_thread import Mailbox, mailbox_of
+from .cross_thread import MAILBOX_ATTRIBUTE, Mailbox, mailbox_of
 
 try:
     import sniffio
@@ -74,7 +74,7 @@ class _AsyncioWakeup:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._box: Mailbox = mailbox_of(loop)
+        self._box: Mailbox = getattr(loop, MAILBOX_ATTRIBUTE, None) or mailbox_of(loop)  # the usual case without a call
         self._fut: asyncio.Future[None] = loop.create_future()
         self._woken = False
 

@@ -222,8 +222,17 @@ never ran, and never keeps its loop alive (the loop of each ``asyncio.run`` that
 _boxes_lock = threading.Lock()
 
 
+MAILBOX_ATTRIBUTE = "_kvoffload_mailbox"
+"""Where a loop that takes attributes (asyncio's own) keeps its mailbox, for as long as it lives (a
+loop and its mailbox refer to each other: they go together); other loops (uvloop's) have theirs in
+``_boxes``, made anew when nobody held it."""
+
+
 def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
     """The mailbox of ``loop``: the one in use, or a new one. Hold it while you may post to it."""
+    box: Mailbox | None = getattr(loop, MAILBOX_ATTRIBUTE, None)
+    if box is not None:
+        return box
     ref = _boxes.get(loop)
     box = ref() if ref is not None else None
     if box is None:
@@ -232,7 +241,10 @@ def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
             box = ref() if ref is not None else None
             if box is None:
                 box = Mailbox(loop)
-                _boxes[loop] = weakref.ref(box)
+                try:
+                    setattr(loop, MAILBOX_ATTRIBUTE, box)
+                except AttributeError:  # a loop without attributes of its own
+                    _boxes[loop] = weakref.ref(box)
     return box
 
 

@@ -282,7 +282,8 @@ class Transfer:
 
     async def _wait(self) -> TransferResult:
         """Sleep until the transfer ends (it had not when looked at), then its outcome."""
-        self._check_process()
+        if self._generation != PROCESS.generation:
+            self._check_process()
         woken = wakeup()
         if self._on_end_registered(woken.wake):
             # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
@@ -363,7 +364,13 @@ class Transfer:
         if finished is not None:
             finished.set()
         for cb in callbacks:
-            self._dispatch(cb)
+            if cb[1] is None and cb[2] is None:  # a waiter's wake-up (:meth:`_on_end_registered`): run here, a hop fewer
+                try:
+                    cb[0](self)
+                except BaseException:
+                    log.exception("done callback %r raised", cb[0])
+            else:
+                self._dispatch(cb)
         for wake in tensor_waiters:  # those whose tensor never landed: they raise the outcome
             _call_quietly(wake, self)
 
