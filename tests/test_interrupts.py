@@ -1,6 +1,8 @@
 """Ctrl-C inside ``store()``/``load()``: an asynchronous exception (``KeyboardInterrupt`` from a signal
 handler) may land at any point of the call; whatever it interrupts, it leaks no slot, pin or
-in-flight count, and every key that becomes visible holds exactly the bytes stored under it."""
+in-flight count, and every key that becomes visible holds exactly the bytes stored under it. Also
+on the GPU path (driven on the CPU: ``kvoffload._testing.take_gpu_path``), where transfers of more
+than one chunk submit their copies under the index's lock, before their entries or pins are made."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import traceback
 import pytest
 
 import kvoffload
+import kvoffload._testing
 
 from support.caches import block_bytes, random_caches
 
 from support.interrupts import interrupter
+from support.standins import CopiesAtOnce
 
 from support.waiting import wait_for_transfers_to_end
 
@@ -26,12 +30,14 @@ def _kvoffload_frames(tb) -> set[str]:
 # An interrupt may also land in another library's gc callback (hypothesis registers one), which
 # swallows it: Python reports it as unraisable, and the iteration simply sees no interrupt.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("tiers", ["host", "host+disk"])
+@pytest.mark.parametrize("tiers", ["host", "host+disk", "host, GPU path"])
 def test_interrupts_anywhere_in_store_and_load_leak_nothing(tmp_path, tiers):
     caches = random_caches(64, seed=7)
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     disk = {"disk_path": tmp_path / "kv", "disk_blocks": 48} if tiers == "host+disk" else {}
     off = kvoffload.Offloader(caches, host_blocks=16, chunk_bytes=2 * slot, **disk).start()
+    if tiers == "host, GPU path":  # stores of 3 blocks and loads of up to 4 are more than a chunk (2 blocks)
+        kvoffload._testing.take_gpu_path(off, lambda kind, copier: CopiesAtOnce(copier))
     landed_in: set[str] = set()
     interrupted = 0
     with interrupter(seed=1) as ctrl_c:

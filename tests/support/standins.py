@@ -106,6 +106,39 @@ class StandInCopier:
         pass
 
 
+class CopiesAtOnce:
+    """Stands in for the CUDA copier of an offloader over CPU caches (``kvoffload._testing.take_gpu_path``):
+    copies as the CPU copier does, each chunk returning an event completed already, so the GPU path
+    (copies at call time, a landing watcher) runs at the CPU copier's pace."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.chunk_blocks = real.chunk_blocks
+
+    def caller_event(self) -> None:
+        return None
+
+    def wait_for(self, event: object) -> None:
+        pass
+
+    def take_cancel_flag(self) -> None:
+        return None
+
+    def ring_when_complete(self, event: StandInEvent, alarm, in_order: bool = True) -> None:
+        event.ring_on_completion(alarm)
+
+    def to_host(self, block_ids, host, rows) -> StandInEvent:
+        self.real.to_host(block_ids, host, rows)
+        return StandInEvent(done=True)
+
+    def to_device(self, host, rows, block_ids) -> StandInEvent:
+        self.real.to_device(host, rows, block_ids)
+        return StandInEvent(done=True)
+
+    def close(self) -> None:
+        self.real.close()
+
+
 class StandInDriver:
     """Stands in for the CUDA driver under the real ``DriverEvent`` (the ``enqueue_calls()`` function
     table it calls): each event completes when the test says, successfully or with a CUDA error
