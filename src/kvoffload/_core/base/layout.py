@@ -15,6 +15,7 @@ across tensors (views of one buffer are fine when they touch different bytes).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -131,9 +132,9 @@ class BlockLayout:
             device = torch.device("cuda", torch.cuda.current_device())
         return cls(tuple(pieces), int(num_blocks), offset, slot_bytes_for(offset), device)
 
-    @property
+    @functools.cached_property
     def is_cuda(self) -> bool:
-        """True when the cache lives in GPU memory."""
+        """True when the cache lives in GPU memory (asked once: an attribute from then on)."""
         return self.device.type == "cuda"
 
     def blocks_per_chunk(self, chunk_bytes: int) -> int:

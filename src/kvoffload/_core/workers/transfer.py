@@ -219,7 +219,16 @@ class Transfer:
         if self._state == _PENDING:
             job = self._job  # _finish_if_landed, inlined: the hot path of every await
             if job is None or self._generation != PROCESS.generation or not job.end_if_landed():
-                return (yield from self._wait().__await__())
+                # Sleep until the transfer ends (not a coroutine of its own: a frame fewer to enter and resume).
+                if self._generation != PROCESS.generation:
+                    self._check_process()
+                woken = wakeup()
+                if self._on_end_registered(woken.wake):
+                    # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
+                    # until nothing more is written.
+                    cancellation = yield from woken.wait_through_cancel(self.cancel).__await__()
+                    if cancellation is not None:
+                        raise cancellation
         if self._state == _DONE:  # :meth:`_outcome`'s first case, inlined
             return self._result  # type: ignore[return-value]  # set with _DONE
         return self._outcome()
@@ -279,19 +288,6 @@ class Transfer:
         raise ValueError(f"no tensor {name!r} in this transfer; its tensors are {list(self._tensor_names)}")
 
     # -- waiting from an event loop ---------------------------------------------
-
-    async def _wait(self) -> TransferResult:
-        """Sleep until the transfer ends (it had not when looked at), then its outcome."""
-        if self._generation != PROCESS.generation:
-            self._check_process()
-        woken = wakeup()
-        if self._on_end_registered(woken.wake):
-            # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
-            # until nothing more is written.
-            cancellation = await woken.wait_through_cancel(self.cancel)
-            if cancellation is not None:
-                raise cancellation
-        return self._outcome()
 
     def _on_end_registered(self, wake: Callable[[Transfer], Any]) -> bool:
         """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended."""
