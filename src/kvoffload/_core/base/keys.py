@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from itertools import chain
 
-__all__ = ["NATIVE_KEY_TYPES", "check_key", "check_keys", "key_list"]
+__all__ = ["NATIVE_KEY_TYPES", "TUPLES", "check_key", "check_keys", "key_list"]
 
 NATIVE_KEY_TYPES = frozenset({bytes, str, int, bool})
 """The types a key (or each part of a tuple key, at any depth) may have."""
-_TUPLES = frozenset({tuple})
+TUPLES = frozenset({tuple})
+"""A tuple key's type (its parts are checked too)."""
 
 
 def check_keys(call: str, keys: Iterable[object]) -> None:
@@ -25,7 +26,7 @@ def check_keys(call: str, keys: Iterable[object]) -> None:
     speed, without hashing anything: all bytes, say, or all tuples of native keys."""
     if NATIVE_KEY_TYPES.issuperset(map(type, keys)):
         return
-    if _TUPLES.issuperset(map(type, keys)) and NATIVE_KEY_TYPES.issuperset(map(type, chain.from_iterable(keys))):  # type: ignore[arg-type]  # tuples
+    if TUPLES.issuperset(map(type, keys)) and NATIVE_KEY_TYPES.issuperset(map(type, chain.from_iterable(keys))):  # type: ignore[arg-type]  # tuples
         return
     for i, key in enumerate(keys):
         bad = _not_native(key)

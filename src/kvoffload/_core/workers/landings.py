@@ -87,7 +87,11 @@ class LandingWatcher:
             self._ring_pending = True
         if ring:
             events = job.events
-            self._ring_after(events[0] if events is not None and len(events) == 1 else _next_event(job))
+            event = events[0] if events is not None and len(events) == 1 else _next_event(job)
+            try:
+                self._copier.ring_when_complete(event, self._semaphore, True)  # :meth:`_ring_after`, inlined: a call fewer
+            except Exception:
+                self._ring_after(event)  # None (look now), or a failed device: as it handles them
 
     def when_complete(self, event: CopyEvent, landed: Landed, *, in_order: bool = True) -> None:
         """Call ``landed(failure)`` on the watcher's thread once ``event`` completed. ``in_order=False``:
