@@ -89,7 +89,7 @@ class LandingWatcher:
             events = job.events
             event = events[0] if events is not None and len(events) == 1 else _next_event(job)
             try:
-                self._copier.ring_when_complete(event, self._semaphore, True)  # :meth:`_ring_after`, inlined: a call fewer
+                self._copier.ring_when_complete(event, self._semaphore, True)  # type: ignore[arg-type]  # None raises: :meth:`_ring_after`, inlined
             except Exception:
                 self._ring_after(event)  # None (look now), or a failed device: as it handles them
 
