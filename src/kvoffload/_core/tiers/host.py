@@ -44,19 +44,12 @@ class HostTier:
         """The slots as a numpy ``uint8[slots, slot_bytes]`` view (for disk IO)."""
         return self.rows.numpy()
 
-    def requests_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> list[CopyRequest]:
-        """Copies of cache blocks ``block_ids`` into ``slots``, one per chunk."""
+    def requests(self, to_host: bool, block_ids: Sequence[int], slots: Sequence[int]) -> list[CopyRequest]:
+        """Copies of cache blocks ``block_ids`` into ``slots`` (``to_host``) or back, one per chunk."""
         c = self.chunk_blocks
         if len(block_ids) <= c:
-            return [CopyRequest(True, self.rows, block_ids, slots)]
-        return [CopyRequest(True, self.rows, block_ids[i : i + c], slots[i : i + c]) for i in range(0, len(block_ids), c)]
-
-    def requests_out(self, slots: Sequence[int], block_ids: Sequence[int]) -> list[CopyRequest]:
-        """Copies of ``slots`` into cache blocks ``block_ids``, one per chunk."""
-        c = self.chunk_blocks
-        if len(block_ids) <= c:
-            return [CopyRequest(False, self.rows, block_ids, slots)]
-        return [CopyRequest(False, self.rows, block_ids[i : i + c], slots[i : i + c]) for i in range(0, len(block_ids), c)]
+            return [CopyRequest(to_host, self.rows, block_ids, slots)]
+        return [CopyRequest(to_host, self.rows, block_ids[i : i + c], slots[i : i + c]) for i in range(0, len(block_ids), c)]
 
     def request_out(self, pairs: Sequence[tuple[int, int]]) -> CopyRequest:
         """One copy of slots into cache blocks (``(slot, block id)`` pairs), however many."""
@@ -65,12 +58,12 @@ class HostTier:
     async def copy_in(self, pairs: Sequence[tuple[int, int]], landed: Callable[[int], None]) -> None:
         """Copy cache blocks into slots (``(block id, slot)`` pairs) on the store worker's loop;
         ``landed(n)`` after each chunk of n."""
-        requests = self.requests_in([b for b, _ in pairs], [s for _, s in pairs])
+        requests = self.requests(True, [b for b, _ in pairs], [s for _, s in pairs])
         await self.workers.store.pipeline(requests, lambda r: r, lambda r: landed(len(r.block_ids)))
 
     async def copy_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy slots into cache blocks (``(slot, block id)`` pairs) on the load worker's loop."""
-        await self.workers.load.pipeline(self.requests_out([s for s, _ in pairs], [b for _, b in pairs]), lambda r: r, lambda r: None)
+        await self.workers.load.pipeline(self.requests(False, [b for _, b in pairs], [s for s, _ in pairs]), lambda r: r, lambda r: None)
 
     def close(self) -> None:
         """Free the slab (no copy may be running)."""

@@ -307,7 +307,7 @@ class TieredStorage:
                 plan.block_ids = [blocks[e.key] for e in reservation.entries]
                 if not reservation.to_disk and not reservation.spills:
                     assert self.host is not None
-                    requests = self.host.requests_in(plan.block_ids, [e.slot for e in reservation.entries])
+                    requests = self.host.requests(True, plan.block_ids, [e.slot for e in reservation.entries])
             worker.start(plan, after, requests, functools.partial(self._run_store, plan))
         except BaseException:
             worker.abandon(plan)
@@ -325,12 +325,12 @@ class TieredStorage:
         """(:meth:`BlockIndex.reserve`'s ``start_copies``: every key of ``blocks`` is new, in ``slots``.)"""
         assert self.host is not None
         plan.block_ids = list(blocks.values())
-        return self.workers.store.submit_now(plan, self.host.requests_in(plan.block_ids, slots), after)
+        return self.workers.store.submit_now(plan, self.host.requests(True, plan.block_ids, slots), after)
 
     def _load_early(self, plan: LoadPlan, after: Any, slots: list[int]) -> Callable[[], None]:
         """(:meth:`BlockIndex.pin`'s ``start_copies``: every key is in host memory, in ``slots``.)"""
         assert self.host is not None
-        return self.workers.load.submit_now(plan, self.host.requests_out(slots, plan.block_ids), after)
+        return self.workers.load.submit_now(plan, self.host.requests(False, plan.block_ids, slots), after)
 
     async def _run_store(self, plan: StorePlan, after: Any) -> TransferResult:
         """Spill what must make room, then copy the blocks, publishing chunk by chunk: first those
@@ -487,7 +487,7 @@ class TieredStorage:
         requests = None
         if all_host:
             assert self.host is not None
-            requests = self.host.requests_out([p.slot for p in plan.pins], plan.block_ids)
+            requests = self.host.requests(False, plan.block_ids, [p.slot for p in plan.pins])
         # The expedited worker takes copies at call time (GPU) or one chunk (CPU) only (its loop runs
         # no task); anything else goes the regular way.
         host_job = requests is not None and (self.layout.is_cuda or len(requests) == 1)
