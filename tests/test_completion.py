@@ -268,24 +268,64 @@ def test_a_store_of_several_chunks_publishes_chunk_by_chunk_as_the_watcher_is_ru
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
 
 
-def test_a_burst_of_one_copy_transfers_costs_one_ring_and_each_ends_as_it_lands(rig):
-    """Transfers handed over while a ring is on its way enqueue none of their own; woken, the watcher
-    ends those that landed and rings again for the oldest still in flight, so each ends."""
+def test_one_copy_transfers_nobody_waits_for_cost_no_ring_and_end_at_the_watchers_next_look(rig):
+    """A transfer of one copy is followed lazily: handed over, it asks the driver for no ring (a ring
+    costs the caller more than the rest of its call); nobody waiting, it ends at the watcher's next
+    look after it landed, published, on the watcher's thread."""
     rig.hold()
     started = [rig.start(chunks=1) for _ in range(3)]
     events = [e for _, _, evs in started for e in evs]
-    assert [e.alarmed.is_set() for e in events] == [True, False, False]
-    events[0].complete()
-    events[1].complete()
+    assert not any(e.alarmed.is_set() for e in events), "a ring was enqueued though nobody waits"
+    for e in events[:2]:
+        e.complete()
+    rig.look()
     for _, steps, _ in started[:2]:
-        assert steps.finished.wait(HANG_S), "a transfer that landed did not end"
+        assert steps.finished.wait(HANG_S), "a transfer that landed did not end at the watcher's look"
     assert not started[2][1].finished.is_set()
-    assert events[2].alarmed.wait(HANG_S), "no ring for the transfer still in flight"
     events[2].complete()
+    rig.look()
     assert started[2][1].finished.wait(HANG_S)
     for t, steps, _ in started:
         assert t.exception(0) is None
         assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
+
+
+@pytest.mark.parametrize("how", ["callback", "await", "result with a timeout", "cancel"])
+def test_whoever_waits_for_a_one_copy_transfer_gets_it_a_ring_and_each_ends_as_it_lands(rig, how):
+    """A waiter that finds a one-copy transfer still in flight (a done callback, an awaiting task, a
+    thread in ``result(timeout)``, a cancel) has the driver ring the watcher for that copy, which
+    then ends it as it lands, in stream order, on the watcher's thread."""
+    rig.hold()
+    started = [rig.start(chunks=1) for _ in range(3)]
+    events = [e for _, _, evs in started for e in evs]
+    waiters: list = []
+    loop = asyncio.new_event_loop()
+    for t, _, evs in started:
+        if how == "callback":
+            t.add_done_callback(lambda _t: None)
+        elif how == "await":
+            waiters.append(loop.create_task(_await(t)))
+            loop.run_until_complete(asyncio.sleep(0))  # each task runs up to its await
+        elif how == "cancel":
+            assert t.cancel()
+        else:
+            with pytest.raises(TimeoutError):
+                t.result(timeout=0.001)
+        assert evs[0].alarmed.wait(HANG_S), "no ring for the copy somebody waits for"
+    for i, e in enumerate(events):
+        e.complete()
+        assert started[i][1].finished.wait(HANG_S), "a transfer that landed did not end"
+        assert all(not s.finished.is_set() for _, s, _ in started[i + 1 :]), "ended before its copy landed"
+    if waiters:
+        assert [r.kind for r in loop.run_until_complete(asyncio.gather(*waiters))] == ["store"] * 3
+    loop.close()
+    for t, steps, _ in started:
+        assert t.cancelled() if how == "cancel" else t.exception(0) is None
+        assert steps.cleanups == 1 and steps.end_threads == [WATCHER]
+
+
+async def _await(transfer):
+    return await transfer
 
 
 @pytest.mark.parametrize("chunks", [1, 3], ids=["one copy", "three copies, a cancel flag"])

@@ -154,6 +154,8 @@ class CopyWorker:
                     self.loop.mailbox.post(task.cancel)
         elif job.cancel_flag is not None and self._watcher is not None:
             self._stop_early(job)
+        elif self._watcher is not None and job.events is not None:  # it ends once its copies landed
+            self._watcher.want(job)
 
     def abandon(self, job: Job) -> None:
         """After an exception (a signal handler's ``KeyboardInterrupt``, say) cut a call short anywhere
@@ -187,6 +189,12 @@ class CopyWorker:
         except Exception:
             log.debug("%s: could not enqueue a ring for a waiting thread", self.name, exc_info=True)
             return False
+
+    def want(self, job: Job) -> None:
+        """Somebody waits for ``job``, whose copies were submitted at call time: have the landing
+        watcher end it once they landed (:meth:`~.landings.LandingWatcher.want`)."""
+        if self._watcher is not None:
+            self._watcher.want(job)
 
     def look_again(self) -> None:
         """Have the landing watcher look at the copies it follows now (a thread that slept on a job's

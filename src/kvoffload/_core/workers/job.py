@@ -40,6 +40,12 @@ landings and to claim its end: brief, and never around a copy or a wait."""
 
 _WAITING, _TAKEN, _WITHDRAWN = range(3)
 
+WATCH_LAZILY, WATCH_CLOSELY, WATCH_RUNG = range(3)
+"""How the landing watcher follows a job's copies submitted at call time: *lazily* (no ring: whoever
+waits for the job finds it landed and ends it, or asks for a ring, :meth:`Job.want_end`), *closely*
+(its in-order rings follow each copy: several copies, landings reported), or *rung* (a ring of its
+own is on its way)."""
+
 RECHECK_ASLEEP_S = 0.1
 """A thread asleep until a job's copies land looks again this often, should a ring never come."""
 
@@ -49,7 +55,7 @@ class Job:
 
     __slots__ = (
         "transfer", "worker", "events", "error", "cancel_flag", "requests", "reports_landings", "next_landing", "stop_at",
-        "ended", "owner", "task", "started", "taken", "sleepers",
+        "ended", "owner", "task", "started", "taken", "sleepers", "watch",
     )
 
     def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
@@ -80,6 +86,8 @@ class Job:
         """When a worker took it (None: it never started)."""
         self.sleepers: list[Any] = []
         """Wake semaphores of threads blocked in ``result()`` until its copies land: rung at its end too."""
+        self.watch = WATCH_LAZILY
+        """How the landing watcher follows its copies (``WATCH_*``; set under the watcher's lock)."""
 
     # -- the tiers' bookkeeping (their plans override these) -------------------------------
 
@@ -213,21 +221,31 @@ class Job:
             semaphore.ring()
         return True
 
-    def sleep_until_landed(self, timeout: float | None) -> None:
-        """(A thread blocked in ``result()`` on copies submitted at call time.) Sleep, the GIL released,
-        until the driver rings this thread once the last copy landed, then end the job here
-        (:meth:`end_if_landed`): behind a thread busy in Python, one take of the GIL where a wake-up
-        from the landing watcher costs two in a row. Returns early if the job ends otherwise (its end
-        rings the sleepers: a cancel, an error), at ``timeout``, or where there are no wake semaphores."""
+    def want_end(self) -> None:
+        """Somebody waits for the job to end (a task awaits it, a thread waits in ``result()`` with a
+        timeout, a done callback, a cancel): copies at call time followed lazily get a ring now (see
+        :meth:`~.landings.LandingWatcher.follow`)."""
+        worker = self.worker
+        if worker is not None and not self.ended and self.events is not None:
+            worker.want(self)
+
+    def sleep_until_landed(self) -> None:
+        """(A thread blocked in ``result()`` without a timeout on copies submitted at call time.) Sleep,
+        the GIL released, until the driver rings this thread once the last copy landed, then end the job
+        here (:meth:`end_if_landed`): behind a thread busy in Python, one take of the GIL where a
+        wake-up from the landing watcher costs two in a row. Returns early if the job ends otherwise
+        (its end rings the sleepers: a cancel, an error), or where the driver cannot ring this thread
+        (no wake semaphores, a failed device): the landing watcher then ends it (:meth:`want_end`)."""
         events, worker = self.events, self.worker
         if not events or events[-1] is None or worker is None or self.error is not None:
+            self.want_end()
             return
         try:
             semaphore = take_wake_semaphore()
         except OSError:
+            self.want_end()
             return
         last = events[-1]
-        deadline = None if timeout is None else time.monotonic() + timeout
         self.sleepers.append(semaphore)
         try:
             if not worker.ring_when_landed(last, semaphore):
@@ -238,16 +256,17 @@ class Job:
                         break
                 except ForeignCallError:
                     break  # end_if_landed below fails the job
-                left = RECHECK_ASLEEP_S if deadline is None else min(RECHECK_ASLEEP_S, deadline - time.monotonic())
-                if left <= 0:
-                    return
-                semaphore.sleep(left)
+                semaphore.sleep(RECHECK_ASLEEP_S)
             self.end_if_landed()
         finally:
             self.sleepers.remove(semaphore)
             give_back_wake_semaphore(semaphore)
-            if not self.ended:  # the watcher may have passed over the last copy's ring for this thread
+            if self.ended:
+                pass
+            elif self.watch == WATCH_CLOSELY:  # the watcher passed over the last copy's ring for this thread
                 worker.look_again()
+            else:  # a cancel, a failed ring
+                self.want_end()
 
     def cancel(self) -> None:
         """(Any thread, once :meth:`Transfer.cancel` recorded the request.) Stop what can be stopped: a

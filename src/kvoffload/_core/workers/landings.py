@@ -34,6 +34,7 @@ Whoever else notices a landing first may end a job through the same path (a call
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from ..base.foreign import ForeignCallError
 from ..base.helper_threads import mark_own_thread
 from ..cuda.events import CopyEvent, completed, copy_failed
 from .copier import BlockCopier
-from .job import Job
+from .job import WATCH_CLOSELY, WATCH_LAZILY, WATCH_RUNG, Job
 
 __all__ = ["LandingWatcher"]
 
@@ -65,7 +66,7 @@ class LandingWatcher:
     def __init__(self, copier: BlockCopier, name: str) -> None:
         self._copier = copier
         self._semaphore = take_wake_semaphore()  # OSError without POSIX semaphores
-        self._jobs: list[Job] = []
+        self._jobs: collections.deque[Job] = collections.deque()
         self._waits: list[tuple[CopyEvent, Landed]] = []
         self._lock = threading.Lock()
         self._ring_pending = False
@@ -78,20 +79,41 @@ class LandingWatcher:
 
     def follow(self, job: Job) -> None:
         """Follow ``job``'s copies (``job.events``, enqueued in this thread) until it ended. RuntimeError
-        once stopping (as a stopped worker's mailbox raises): the caller ends the job."""
+        once stopping (as a stopped worker's mailbox raises): the caller ends the job.
+
+        A job of one copy is followed lazily: no ring is asked for it now (the driver's ring costs the
+        caller about 15 us), since whoever waits for it either finds it landed and ends it, or asks for
+        a ring then (:meth:`want`); one nobody waits for ends at the watcher's next look."""
+        events = job.events
+        closely = events is not None and len(events) != 1 or job.transfer._tensors is not None
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the worker has stopped")
-            self._jobs.append(job)
-            ring = not self._ring_pending
-            self._ring_pending = True
+            followed = self._jobs
+            while followed and followed[0].ended and followed[0].cancel_flag is None:  # ended by their waiters
+                followed.popleft()
+            followed.append(job)
+            ring = closely and not self._ring_pending
+            if closely:
+                job.watch = WATCH_CLOSELY
+                self._ring_pending = True
         if ring:
-            events = job.events
-            event = events[0] if events is not None and len(events) == 1 else _next_event(job)
+            event = _next_event(job)
             try:
                 self._copier.ring_when_complete(event, self._semaphore, True)  # type: ignore[arg-type]  # None raises: :meth:`_ring_after`, inlined
             except Exception:
                 self._ring_after(event)  # None (look now), or a failed device: as it handles them
+
+    def want(self, job: Job) -> None:
+        """Somebody waits for ``job`` to end (a task awaits it, a thread waits with a timeout, a done
+        callback, a cancel): if it is followed lazily, have the driver ring the watcher once its last
+        copy landed (a job followed closely has its rings already)."""
+        with self._lock:
+            if job.ended or self._stopping or job.watch != WATCH_LAZILY:
+                return
+            job.watch = WATCH_RUNG
+        events = job.events
+        self._ring_after(events[-1] if events else None, in_order=False)  # it may land before a ring on its way
 
     def when_complete(self, event: CopyEvent, landed: Landed, *, in_order: bool = True) -> None:
         """Call ``landed(failure)`` on the watcher's thread once ``event`` completed. ``in_order=False``:
@@ -158,12 +180,11 @@ class LandingWatcher:
         with self._lock:
             if done_jobs:
                 followed, k = self._jobs, 0
-                while k < len(followed) and id(followed[k]) in done_jobs:  # usually the oldest: a prefix
+                while followed and id(followed[0]) in done_jobs:  # usually the oldest: a prefix
+                    followed.popleft()
                     k += 1
-                if k == len(done_jobs):
-                    del followed[:k]
-                else:
-                    self._jobs = [j for j in followed if id(j) not in done_jobs]
+                if k < len(done_jobs):
+                    self._jobs = collections.deque(j for j in followed if id(j) not in done_jobs)
             if done_waits:
                 self._waits = [w for w in self._waits if id(w) not in done_waits]
             ring = False
@@ -193,14 +214,17 @@ class LandingWatcher:
             give_back_wake_semaphore(self._semaphore)
 
 
-def _ring_for(jobs: list[Job], waits: list[tuple[CopyEvent, Landed]]) -> tuple[bool, CopyEvent | None]:
-    """What the watcher has the driver ring it for next: the next copy of the oldest job it follows,
-    passing over a job's last copy while a thread sleeps on it (:meth:`~.job.Job.sleep_until_landed`:
+def _ring_for(jobs: collections.deque[Job], waits: list[tuple[CopyEvent, Landed]]) -> tuple[bool, CopyEvent | None]:
+    """What the watcher has the driver ring it for next: the next copy of the oldest job it follows
+    closely, passing over a job's last copy while a thread sleeps on it (:meth:`~.job.Job.sleep_until_landed`:
     rung by the driver itself, that thread ends the job; behind a thread busy in Python, the end then
     waits for one take of the GIL, not for the watcher's and then the sleeper's); else the oldest
     single event. ``(False, None)``: nothing to ring for (the jobs passed over end by their sleepers,
-    or come back with :meth:`LandingWatcher.look_again`)."""
+    or come back with :meth:`LandingWatcher.look_again`; a job followed lazily has a ring of its own once
+    somebody waits for it)."""
     for job in jobs:
+        if job.watch != WATCH_CLOSELY:
+            continue
         event = _next_event(job)
         events = job.events
         if event is not None and job.sleepers and events and event is events[-1] and not job.ended:

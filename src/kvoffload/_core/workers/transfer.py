@@ -170,8 +170,11 @@ class Transfer:
         job = self._job
         if job is not None and job.end_if_landed():  # :meth:`_finish_if_landed`, inlined: the hot path of every result()
             return True
-        if job is not None and timeout is None:  # copies at call time: the driver rings this thread, which ends it
-            job.sleep_until_landed(timeout)
+        if job is not None:
+            if timeout is None:  # copies at call time: the driver rings this thread, which ends it
+                job.sleep_until_landed()
+            else:
+                job.want_end()
         with self._lock:
             if self._state != _PENDING:
                 return True
@@ -204,8 +207,11 @@ class Transfer:
             pending = self._state == _PENDING
             if pending:
                 self._callbacks.append(cb)
+            job = self._job
         if not pending:
             self._dispatch(cb)
+        elif job is not None:
+            job.want_end()
 
     def remove_done_callback(self, fn: Callable[[Transfer], Any]) -> int:
         """Remove every registration of ``fn``; returns how many there were."""
@@ -292,10 +298,13 @@ class Transfer:
     def _on_end_registered(self, wake: Callable[[Transfer], Any]) -> bool:
         """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended."""
         with self._lock:
-            if self._state == _PENDING:
-                self._callbacks.append((wake, None, None))
-                return True
-        return False
+            if self._state != _PENDING:
+                return False
+            self._callbacks.append((wake, None, None))
+            job = self._job
+        if job is not None:
+            job.want_end()
+        return True
 
     def _cancelled_error(self) -> TransferCancelled:
         return TransferCancelled(f"the {self.kind} was cancelled (Transfer.cancel(), close(), or its offloader was collected)")
