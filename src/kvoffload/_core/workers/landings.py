@@ -71,6 +71,8 @@ class LandingWatcher:
         self._lock = threading.Lock()
         self._ring_pending = False
         """A ring is on its way for the oldest copy followed: copies handed over meanwhile need none."""
+        self._ring_target: Job | None = None
+        """The job that ring is for (None: a single event's, or none)."""
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -97,6 +99,8 @@ class LandingWatcher:
             if closely:
                 job.watch = WATCH_CLOSELY
                 self._ring_pending = True
+                if ring:
+                    self._ring_target = job
         if ring:
             event = _next_event(job)
             try:
@@ -112,8 +116,15 @@ class LandingWatcher:
             if job.ended or self._stopping or job.watch != WATCH_LAZILY:
                 return
             job.watch = WATCH_RUNG
+            target = self._ring_target
+            if self._ring_pending and target is not None and _older(target, job, self._jobs):
+                return  # the ring on its way comes first, and the look it brings rings for this job: a burst costs one
+            in_order = not self._ring_pending
+            self._ring_pending = True
+            if in_order:
+                self._ring_target = job
         events = job.events
-        self._ring_after(events[-1] if events else None, in_order=False)  # it may land before a ring on its way
+        self._ring_after(events[-1] if events else None, in_order)  # out of order: it may land before the ring on its way
 
     def when_complete(self, event: CopyEvent, landed: Landed, *, in_order: bool = True) -> None:
         """Call ``landed(failure)`` on the watcher's thread once ``event`` completed. ``in_order=False``:
@@ -125,6 +136,8 @@ class LandingWatcher:
             self._waits.append((event, landed))
             ring = not self._ring_pending or not in_order
             self._ring_pending = True
+            if ring and in_order:
+                self._ring_target = None
         if ring:
             self._ring_after(event, in_order)
 
@@ -189,7 +202,7 @@ class LandingWatcher:
                 self._waits = [w for w in self._waits if id(w) not in done_waits]
             ring = False
             if not self._ring_pending and (self._jobs or self._waits):
-                ring, oldest = _ring_for(self._jobs, self._waits)
+                ring, oldest, self._ring_target = _ring_for(self._jobs, self._waits)
                 self._ring_pending = ring
         if ring:
             self._ring_after(oldest)
@@ -214,25 +227,35 @@ class LandingWatcher:
             give_back_wake_semaphore(self._semaphore)
 
 
-def _ring_for(jobs: collections.deque[Job], waits: list[tuple[CopyEvent, Landed]]) -> tuple[bool, CopyEvent | None]:
-    """What the watcher has the driver ring it for next: the next copy of the oldest job it follows
-    closely, passing over a job's last copy while a thread sleeps on it (:meth:`~.job.Job.sleep_until_landed`:
+def _older(a: Job, b: Job, jobs: collections.deque[Job]) -> bool:
+    """True if ``a`` was handed over before ``b`` (or is ``b``); both are in ``jobs``, oldest first."""
+    for job in jobs:
+        if job is a:
+            return True
+        if job is b:
+            return False
+    return False
+
+
+def _ring_for(jobs: collections.deque[Job], waits: list[tuple[CopyEvent, Landed]]) -> tuple[bool, CopyEvent | None, Job | None]:
+    """What the watcher has the driver ring it for next, and for which job: the next copy of the
+    oldest job it follows closely or somebody waits for, passing over a job's last copy while a thread sleeps on it (:meth:`~.job.Job.sleep_until_landed`:
     rung by the driver itself, that thread ends the job; behind a thread busy in Python, the end then
     waits for one take of the GIL, not for the watcher's and then the sleeper's); else the oldest
-    single event. ``(False, None)``: nothing to ring for (the jobs passed over end by their sleepers,
+    single event. ``(False, None, None)``: nothing to ring for (the jobs passed over end by their sleepers,
     or come back with :meth:`LandingWatcher.look_again`; a job followed lazily has a ring of its own once
     somebody waits for it)."""
     for job in jobs:
-        if job.watch != WATCH_CLOSELY:
+        if job.watch == WATCH_LAZILY:
             continue
         event = _next_event(job)
         events = job.events
         if event is not None and job.sleepers and events and event is events[-1] and not job.ended:
             continue
-        return True, event
+        return True, event, job
     if waits:
-        return True, waits[0][0]
-    return False, None
+        return True, waits[0][0], None
+    return False, None, None
 
 
 def _next_event(job: Job) -> CopyEvent | None:
