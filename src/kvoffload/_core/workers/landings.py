@@ -30,6 +30,14 @@ A sleeper that leaves before the end has the watcher look again.
 
 Whoever else notices a landing first may end a job through the same path (a caller awaiting it,
 :meth:`~.job.Job.end_if_landed`); the watcher then drops it.
+
+A job of one copy (a serving engine's small store or load) is followed *lazily*: it asks no ring
+when it is handed over, since its caller usually awaits it later and then finds it landed (an engine
+awaits a step's loads and stores in the next step), so no ring is paid for and no kvoffload thread
+takes the GIL. Whoever waits for it while it is in flight (an awaiting task, ``result(timeout)``, a
+done callback, a cancel) asks for one (:meth:`want`): for the oldest job waited for, the ring on its
+way covers the rest (each look rings for the next one waited for). A job nobody waits for ends at
+the watcher's next look: a ring for another job, or its recheck (:attr:`RECHECK_S`).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ class LandingWatcher:
     IDLE_RECHECK_S = 1.0
     """How often it looks with nothing to follow (only whether to stop)."""
     RECHECK_S = 0.05
-    """How often it looks while it follows copies, should a ring never come (a failed device)."""
+    """How often it looks while it follows copies: should a ring never come (a failed device), and for
+    jobs followed lazily that nobody waits for."""
 
     def __init__(self, copier: BlockCopier, name: str) -> None:
         self._copier = copier
