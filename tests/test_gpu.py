@@ -232,6 +232,33 @@ async def load_right_after_kernel_read() -> bool:
 
 
 @pytest.mark.asyncio
+async def test_awaited_one_block_transfers_in_flight_end_on_the_awaiting_loop_byte_exact():
+    """One-block stores and loads still in flight when awaited (queued behind a kernel on the caller's
+    stream) are rung at the awaiting loop's doorbell: each ends on the loop's own thread, and the
+    round trip is byte-exact."""
+    caches = gpu_caches(16)
+    here = threading.current_thread().name
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        for step in range(3):
+            ended_on: list[str] = []
+            torch.cuda._sleep(SLEEP_CYCLES // 5)  # ~20 ms: the copies land well after the await
+            transfers = [off.store({(step, "s"): 2}), off.store({(step, "t"): 3})]
+            waiting = [asyncio.ensure_future(_awaited(t)) for t in transfers]
+            await asyncio.sleep(0)  # both tasks await now: rung at this loop's doorbell
+            for t in transfers:
+                t.add_done_callback(lambda _t: ended_on.append(threading.current_thread().name), on_ending_thread=True)
+            await asyncio.gather(*waiting)
+            assert ended_on == [here, here], "not ended on the awaiting loop's thread"
+            torch.cuda._sleep(SLEEP_CYCLES // 5)
+            await off.load({(step, "s"): 7})
+            assert all(same_bytes(t[7], t[2]) for t in caches.values())
+
+
+async def _awaited(transfer):
+    return await transfer
+
+
+@pytest.mark.asyncio
 async def test_store_waits_for_callers_stream():
     assert await store_right_after_kernel_write(), "store read the block before the kernel wrote it"
 
