@@ -290,7 +290,7 @@ def test_one_copy_transfers_nobody_waits_for_cost_no_ring_and_end_at_the_watcher
         assert steps.landings == [0] and steps.cleanups == 1 and steps.end_threads == [WATCHER]
 
 
-@pytest.mark.parametrize("how", ["callback", "result with a timeout", "cancel"])
+@pytest.mark.parametrize("how", ["callback", "await", "result with a timeout", "cancel"])
 def test_whoever_waits_for_one_copy_transfers_gets_them_one_ring_and_each_ends_as_it_lands(rig, how):
     """Waiters that find one-copy transfers still in flight (a done callback, an awaiting task, a
     thread in ``result(timeout)``, a cancel) have the driver ring the watcher for the oldest copy only
@@ -324,48 +324,6 @@ def test_whoever_waits_for_one_copy_transfers_gets_them_one_ring_and_each_ends_a
     for t, steps, _ in started:
         assert t.cancelled() if how == "cancel" else t.exception(0) is None
         assert steps.cleanups == 1 and steps.end_threads == [WATCHER]
-
-
-def test_tasks_awaiting_one_copy_transfers_are_rung_at_their_loops_doorbell_and_end_them_there(monkeypatch):
-    """Tasks that await one-copy transfers in flight have the driver ring their loop's doorbell, not
-    the watcher: one ring for the oldest, then the loop's look ends what landed, on the loop's own
-    thread (no other thread woken on the way), and rings it again for the next one awaited."""
-    fresh_wake_semaphores(monkeypatch)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)  # the watcher's own looks cannot end them
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
-    rig = _Rig()
-    rig.hold()
-    started = [rig.start(chunks=1) for _ in range(3)]
-    events = [e for _, _, evs in started for e in evs]
-    loop = asyncio.new_event_loop()
-    awaiting = threading.Event()
-    results: list = []
-
-    async def await_all():
-        tasks = [asyncio.ensure_future(_await(t)) for t, _, _ in started]
-        await asyncio.sleep(0)  # each task runs up to its await
-        awaiting.set()
-        results.extend(await asyncio.gather(*tasks))
-
-    runner = threading.Thread(target=loop.run_until_complete, args=(await_all(),), name="awaiting-loop")
-    runner.start()
-    try:
-        assert awaiting.wait(HANG_S)
-        assert [e.alarmed.is_set() for e in events] == [True, False, False], "not one ring, for the oldest"
-        for i, e in enumerate(events):
-            assert e.alarmed.wait(HANG_S), "no ring for a copy a task awaits"
-            e.complete()
-            assert started[i][1].finished.wait(HANG_S), "a transfer that landed did not end"
-        runner.join(HANG_S)
-        assert [r.kind for r in results] == ["store"] * 3
-        for _, steps, _ in started:
-            assert steps.end_threads == ["awaiting-loop"], "not ended on the awaiting loop's thread"
-    finally:
-        for e in events:
-            e.complete()
-        runner.join(HANG_S)
-        loop.close()
-        rig.close()
 
 
 async def _await(transfer):

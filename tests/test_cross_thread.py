@@ -13,9 +13,7 @@ import weakref
 
 import pytest
 
-from kvoffload._core.base.cross_thread import (
-    Doorbell, WakeSemaphore, doorbell_of, give_back_wake_semaphore, mailbox_of, resolve, take_wake_semaphore,
-)
+from kvoffload._core.base.cross_thread import WakeSemaphore, give_back_wake_semaphore, mailbox_of, resolve, take_wake_semaphore
 from kvoffload._core.workers.worker_loop import WorkerLoop
 
 
@@ -98,55 +96,3 @@ def test_wake_semaphores_go_back_to_the_pool_not_away():
     give_back_wake_semaphore(semaphore)
     assert take_wake_semaphore() is semaphore
     give_back_wake_semaphore(semaphore)
-
-
-class _Listener:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.rings = loop, 0
-        self.heard = asyncio.Event()
-
-    def rung(self, bell: Doorbell) -> None:
-        assert asyncio.get_running_loop() is self.loop, "not called on the doorbell's loop"
-        self.rings += 1
-        self.heard.set()
-
-
-def test_a_doorbell_rung_from_c_on_another_thread_calls_its_listeners_on_its_loop():
-    """The driver's host function (C, in piece_copies.c) rings a loop's doorbell from its own
-    thread: the loop calls what it was told to, on the loop, once per drained ring."""
-    assert Doorbell.RING_FUNCTION, "the compiled ring function is missing"
-    ring_from_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(Doorbell.RING_FUNCTION)
-
-    async def main() -> int:
-        loop = asyncio.get_running_loop()
-        bell = doorbell_of(loop)
-        assert bell is not None and doorbell_of(loop) is bell
-        listener = _Listener(loop)
-        bell.tell(listener)
-        for _ in range(3):
-            listener.heard.clear()
-            ringer = threading.Thread(target=ring_from_c, args=(bell.address,))
-            ringer.start()
-            await asyncio.wait_for(listener.heard.wait(), 10)
-            ringer.join()
-        return listener.rings
-
-    assert asyncio.run(main()) == 3
-
-
-def test_a_gone_loops_doorbell_goes_back_to_the_pool_open_and_a_late_ring_wakes_nobody_wrongly():
-    """A ring may come after the loop that asked for it has gone: its eventfd is never closed (the
-    number is never reused for another file), and the next loop takes it over."""
-
-    async def bell_here() -> Doorbell:
-        bell = doorbell_of(asyncio.get_running_loop())
-        assert bell is not None
-        return bell
-
-    first = asyncio.run(bell_here())
-    fd = first.address
-    gc.collect()
-    first.ring()  # late: its loop has gone
-    os.fstat(fd)  # still open
-    second = asyncio.run(bell_here())
-    assert second is first, "the pooled doorbell was not taken again"

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .cross_thread import DOORBELL_ATTRIBUTE, MAILBOX_ATTRIBUTE, Doorbell, Mailbox, doorbell_of, mailbox_of
+from .cross_thread import MAILBOX_ATTRIBUTE, Mailbox, mailbox_of
 
 try:
     import sniffio
@@ -52,10 +52,6 @@ class Wakeup(Protocol):
         """End the wait (from any thread, any number of times; arguments are ignored, so that it can be
         a done callback). Nothing happens once the waiting loop or run has gone."""
 
-    def doorbell(self) -> Doorbell | None:
-        """(On the waiting loop.) Its :class:`~.cross_thread.Doorbell`, for C code to ring once what
-        it waits for happened (None: it has none; wake it with :meth:`wake`)."""
-
     async def wait(self) -> None:
         """Sleep until woken. A cancellation of the waiting task ends the wait at once."""
 
@@ -82,14 +78,7 @@ class _AsyncioWakeup:
         self._fut: asyncio.Future[None] = loop.create_future()
         self._woken = False
 
-    def doorbell(self) -> Doorbell | None:
-        bell = getattr(self._loop, DOORBELL_ATTRIBUTE, None)  # the usual case without a call
-        return (bell or None) if bell is not None else doorbell_of(self._loop)
-
     def wake(self, *_: object) -> None:
-        if asyncio._get_running_loop() is self._loop:  # on the loop itself (rung at its doorbell): no hop
-            self._woken_on_loop()
-            return
         try:
             self._box.post(self._woken_on_loop)
         except RuntimeError:  # the waiting loop has closed: nobody to wake
@@ -124,9 +113,6 @@ class _AsyncioWakeup:
 
 class _AnyioWakeup:
     __slots__ = ("_call_soon", "_event")
-
-    def doorbell(self) -> None:
-        return None  # a ring wakes the landing watcher, which wakes this run
 
     def __init__(self) -> None:
         import anyio

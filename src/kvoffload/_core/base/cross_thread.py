@@ -14,10 +14,6 @@ its call (measured: a 4-block GPU store call of 215 us, where its copies took 87
 enqueue). Woken quietly, the worker runs when the caller next lets go of the GIL (its
 ``await``, a blocking call) or after the interpreter's switch interval.
 
-A :class:`Doorbell` wakes an event loop that awaits a GPU copy the same way: an eventfd the loop
-watches, which the driver rings through a host function of ``piece_copies.c``, so that the loop
-learns of the landing with no other thread woken on the way.
-
 A :class:`WakeSemaphore` wakes a plain thread instead: one that sleeps in a blocking call (the GIL
 released) until something rings it. C code can ring it too: the driver, through a host function on
 a stream (libc's ``sem_post`` itself, :data:`WakeSemaphore.RING_FUNCTION`), so that a thread waiting for a
@@ -28,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import logging
 import os
 import threading
 import time
@@ -36,12 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-_log = logging.getLogger("kvoffload")
-
-__all__ = [
-    "WakeSemaphore", "take_wake_semaphore", "give_back_wake_semaphore", "Doorbell", "doorbell_of", "Mailbox", "mailbox_of",
-    "resolve", "resolve_from_any_thread",
-]
+__all__ = ["WakeSemaphore", "take_wake_semaphore", "give_back_wake_semaphore", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
 
 
 def _gil_keeping(name: str) -> Callable[[int, Any, int], int] | None:
@@ -143,102 +133,6 @@ def give_back_wake_semaphore(semaphore: WakeSemaphore) -> None:
     """Return ``semaphore`` to the pool (rings still on their way only wake a later sleeper early)."""
     with _wake_semaphores_lock:
         _idle_wake_semaphores.append(semaphore)
-
-
-class Doorbell:
-    """An eventfd an asyncio loop watches, rung by C code (:data:`RING_FUNCTION` with :attr:`address`,
-    from the driver's thread) or by :meth:`ring`; rung, the loop calls every ``ringing.rung(bell)``
-    it was told of (:meth:`tell`), on the loop. Get one with :func:`doorbell_of`.
-
-    Like a wake semaphore, a doorbell is never freed (a ring may come after its loop has gone): when
-    its loop goes, it goes back to a pool, and a late ring only makes the next loop look for nothing.
-    """
-
-    __slots__ = ("address", "_ringing", "__weakref__")
-
-    RING_FUNCTION: int = 0
-    """Address of a C function ``void (*)(void *)`` that rings the doorbell whose fd is its argument."""
-
-    def __init__(self) -> None:
-        self.address: int = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        """The eventfd's number."""
-        self._ringing: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def ring(self) -> None:
-        """Ring from any thread."""
-        try:
-            os.eventfd_write(self.address, 1)
-        except BlockingIOError:  # the counter is full: a ring is pending anyway
-            pass
-
-    def tell(self, ringing: Any) -> None:
-        """(On the loop.) Call ``ringing.rung(self)`` on the loop at every ring from now on, while
-        ``ringing`` lives (the doorbell holds it weakly)."""
-        self._ringing.add(ringing)
-
-    def _rung(self) -> None:
-        try:
-            os.eventfd_read(self.address)
-        except BlockingIOError:  # rung by a ring meant for an earlier loop, read meanwhile
-            return
-        for ringing in list(self._ringing):
-            try:
-                ringing.rung(self)
-            except BaseException:  # must not stop the loop
-                _log.exception("kvoffload: a doorbell's ring raised")
-
-
-def _ring_eventfd_function() -> int:
-    try:
-        from .piece_copies import RING_EVENTFD
-    except ImportError:  # the compiled module is missing: no doorbells
-        return 0
-    return RING_EVENTFD
-
-
-Doorbell.RING_FUNCTION = _ring_eventfd_function()
-
-_idle_doorbells: list[Doorbell] = []
-_doorbells_lock = threading.Lock()
-
-DOORBELL_ATTRIBUTE = "_kvoffload_doorbell"
-"""Where an asyncio loop keeps its doorbell (False: it cannot have one)."""
-
-
-def doorbell_of(loop: asyncio.AbstractEventLoop) -> Doorbell | None:
-    """(On ``loop``.) The loop's doorbell, made on first use; None where it cannot have one (a loop
-    without ``add_reader`` or attributes of its own, no eventfd, no compiled ring function)."""
-    bell = getattr(loop, DOORBELL_ATTRIBUTE, None)
-    if bell is not None:
-        return bell or None
-    bell = None
-    if Doorbell.RING_FUNCTION and hasattr(os, "eventfd"):
-        with _doorbells_lock:
-            bell = _idle_doorbells.pop() if _idle_doorbells else None
-        try:
-            if bell is None:
-                bell = Doorbell()
-            loop.add_reader(bell.address, bell._rung)
-        except (OSError, NotImplementedError, RuntimeError):
-            if bell is not None:
-                _give_back_doorbell(bell)
-            bell = None
-    try:
-        setattr(loop, DOORBELL_ATTRIBUTE, bell if bell is not None else False)
-    except AttributeError:  # a loop without attributes of its own: no doorbell
-        if bell is not None:
-            loop.remove_reader(bell.address)
-            _give_back_doorbell(bell)
-        return None
-    if bell is not None:
-        weakref.finalize(loop, _give_back_doorbell, bell)
-    return bell
-
-
-def _give_back_doorbell(bell: Doorbell) -> None:
-    bell._ringing = weakref.WeakSet()
-    with _doorbells_lock:
-        _idle_doorbells.append(bell)
 
 
 class Mailbox:

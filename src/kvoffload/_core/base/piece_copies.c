@@ -18,8 +18,6 @@
  *                   gathered or scattered by torch, without the copy kernel).
  *   enqueue_ring    GPU caches: a stream wait and a host function that rings a semaphore once an
  *                   event completes (how the landing watcher and waiting threads are woken).
- *   RING_EVENTFD    the address of a host function that rings an eventfd (how an event loop
- *                   awaiting a copy is woken: its doorbell).
  *   context_status  whether the calling thread has a current CUDA context (asked per transfer).
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
@@ -34,7 +32,6 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 
 #define SMALL 64 /* sequences up to this long are converted on the stack */
 
@@ -803,15 +800,6 @@ static PyObject *context_status(PyObject *self, PyObject *fn_arg)
     return PyLong_FromLong(err ? err : ctx != NULL ? 0 : -1);
 }
 
-/* A host function for cuLaunchHostFunc: add 1 to the eventfd whose number is `data` (a loop's
- * doorbell; never closed, so a late ring only wakes whoever watches it next). */
-static void ring_eventfd(void *data)
-{
-    uint64_t one = 1;
-    ssize_t written = write((int)(intptr_t)data, &one, sizeof one);
-    (void)written; /* EAGAIN: the counter is full, a wake-up is pending anyway */
-}
-
 /* -- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -843,10 +831,6 @@ PyMODINIT_FUNC PyInit_piece_copies(void)
     Py_INCREF(&ChunkCopiesType);
     if (PyModule_AddObject(m, "ChunkCopies", (PyObject *)&ChunkCopiesType) < 0) {
         Py_DECREF(&ChunkCopiesType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddObject(m, "RING_EVENTFD", PyLong_FromVoidPtr((void *)(uintptr_t)ring_eventfd)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,9 +21,6 @@ def enqueue_runs(
     copy_fns: CopyFunctions, stream: int, to_host: bool, host_base: int, staging_base: int, slot_bytes: int, rows: Sequence[int], /,
 ) -> Failure: ...
 
-RING_EVENTFD: int
-"""Address of a C function ``void (*)(void *)`` that adds 1 to the eventfd whose number is its argument."""
-
 def enqueue_ring(wait: int, launch_host_func: int, stream: int, event: int, fn: int, data: int, /) -> Failure: ...
 def context_status(ctx_get_current: int, /) -> int: ...
 

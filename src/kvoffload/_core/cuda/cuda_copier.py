@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base.cross_thread import Doorbell, WakeSemaphore
+from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout
 from ..base.piece_copies import ChunkCopies, context_status, enqueue_pieces, enqueue_ring, enqueue_runs
 from .cancel_flags import CancelFlag, CancelFlags
@@ -163,7 +163,7 @@ class CudaBlockCopier:
             return
         self._copies.check(self._chunks.wait(handle))  # both streams: kernels touch cache blocks when staged, DMA when direct
 
-    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore | Doorbell, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True) -> None:
         """Have the driver ring ``semaphore`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL). ``in_order=False``: ``event`` may complete before events rung for
@@ -173,7 +173,7 @@ class CudaBlockCopier:
         handle = event.handle if isinstance(event, DriverEvent) else _event_handle(event)  # the usual case inlined
         calls = self._ring_calls[0 if in_order else 1]
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
-            failed = enqueue_ring(*calls, handle, semaphore.RING_FUNCTION, semaphore.address)
+            failed = enqueue_ring(*calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
         if failed is not None:
             self._copies.check(failed)
 

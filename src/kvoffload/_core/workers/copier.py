@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..base.cross_thread import Doorbell, WakeSemaphore
+from ..base.cross_thread import WakeSemaphore
 from ..base.layout import BlockLayout
 from ..base.options import Options
 from ..base.piece_copies import memcpy_pieces
@@ -55,8 +55,8 @@ class BlockCopier(Protocol):
         """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
         ...
 
-    def ring_when_complete(self, event: CopyEvent, semaphore: WakeSemaphore | Doorbell, in_order: bool = True) -> None:
-        """Have ``semaphore`` (a wake semaphore, or a loop's doorbell) rung once ``event`` (one of this copier's completion events) completes,
+    def ring_when_complete(self, event: CopyEvent, semaphore: WakeSemaphore, in_order: bool = True) -> None:
+        """Have ``semaphore`` rung once ``event`` (one of this copier's completion events) completes,
         without Python running meanwhile. ``in_order=False``: ``event`` may complete before events
         already rung for (a cancel flag's raise; an earlier copy than one rung for): its ring must not
         wait behind theirs."""
@@ -98,7 +98,7 @@ class CpuBlockCopier:
     def stops_on(self, flag: Any) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore | Doorbell, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True) -> None:
         semaphore.ring()  # CPU copies are complete when they return
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:

@@ -34,7 +34,6 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from ..base.async_backends import settled
-from ..base.cross_thread import Doorbell
 from ..base.foreign import ForeignCallError, as_transfer_error
 from ..cuda.events import CopyEvent, completed
 from .copier import BlockCopier
@@ -191,12 +190,11 @@ class CopyWorker:
             log.debug("%s: could not enqueue a ring for a waiting thread", self.name, exc_info=True)
             return False
 
-    def want(self, job: Job, doorbell: Callable[[], Doorbell | None] | None = None) -> None:
+    def want(self, job: Job) -> None:
         """Somebody waits for ``job``, whose copies were submitted at call time: have the landing
-        watcher (or the awaiting loop, whose doorbell ``doorbell`` gives) end it once they landed
-        (:meth:`~.landings.LandingWatcher.want`)."""
+        watcher end it once they landed (:meth:`~.landings.LandingWatcher.want`)."""
         if self._watcher is not None:
-            self._watcher.want(job, doorbell)
+            self._watcher.want(job)
 
     def look_again(self) -> None:
         """Have the landing watcher look at the copies it follows now (a thread that slept on a job's

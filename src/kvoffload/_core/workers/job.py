@@ -18,10 +18,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..base.cross_thread import Doorbell, give_back_wake_semaphore, take_wake_semaphore
+from ..base.cross_thread import give_back_wake_semaphore, take_wake_semaphore
 from ..base.foreign import ForeignCallError, as_transfer_error
 from ..cuda.events import CopyEvent, completed, copy_failed, wait_completed
 from .transfer import Transfer, TransferResult
@@ -55,7 +55,7 @@ class Job:
 
     __slots__ = (
         "transfer", "worker", "events", "error", "cancel_flag", "requests", "reports_landings", "next_landing", "stop_at",
-        "ended", "owner", "task", "started", "taken", "sleepers", "watch", "doorbell",
+        "ended", "owner", "task", "started", "taken", "sleepers", "watch",
     )
 
     def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
@@ -88,8 +88,6 @@ class Job:
         """Wake semaphores of threads blocked in ``result()`` until its copies land: rung at its end too."""
         self.watch = WATCH_LAZILY
         """How the landing watcher follows its copies (``WATCH_*``; set under the watcher's lock)."""
-        self.doorbell: Doorbell | None = None
-        """Rung: the doorbell of the loop that awaits it, which the driver rings instead of the watcher."""
 
     # -- the tiers' bookkeeping (their plans override these) -------------------------------
 
@@ -223,13 +221,13 @@ class Job:
             semaphore.ring()
         return True
 
-    def want_end(self, doorbell: Callable[[], Doorbell | None] | None = None) -> None:
+    def want_end(self) -> None:
         """Somebody waits for the job to end (a task awaits it, a thread waits in ``result()`` with a
         timeout, a done callback, a cancel): copies at call time followed lazily get a ring now (see
-        :meth:`~.landings.LandingWatcher.follow`); ``doorbell`` gives the awaiting loop's, to ring instead."""
+        :meth:`~.landings.LandingWatcher.follow`)."""
         worker = self.worker
         if worker is not None and not self.ended and self.events is not None:
-            worker.want(self, doorbell)
+            worker.want(self)
 
     def sleep_until_landed(self) -> None:
         """(A thread blocked in ``result()`` without a timeout on copies submitted at call time.) Sleep,

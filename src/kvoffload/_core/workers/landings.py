@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..base.cross_thread import Doorbell, WakeSemaphore, give_back_wake_semaphore, take_wake_semaphore
+from ..base.cross_thread import give_back_wake_semaphore, take_wake_semaphore
 from ..base.foreign import ForeignCallError
 from ..base.helper_threads import mark_own_thread
 from ..cuda.events import CopyEvent, completed, copy_failed
@@ -82,10 +82,6 @@ class LandingWatcher:
         """A ring is on its way for the oldest copy followed: copies handed over meanwhile need none."""
         self._ring_target: Job | None = None
         """The job that ring is for (None: a single event's, or none)."""
-        self._doorbell_targets: dict[Doorbell, Job] = {}
-        """Per awaiting loop's doorbell: the job whose ring to it is on its way."""
-        self._sweeping = threading.Lock()
-        """Held by a look: the watcher's, or an awaiting loop's (:meth:`rung`)."""
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -121,54 +117,23 @@ class LandingWatcher:
             except Exception:
                 self._ring_after(event)  # None (look now), or a failed device: as it handles them
 
-    def want(self, job: Job, doorbell_of_loop: Callable[[], Doorbell | None] | None = None) -> None:
+    def want(self, job: Job) -> None:
         """Somebody waits for ``job`` to end (a task awaits it, a thread waits with a timeout, a done
         callback, a cancel): if it is followed lazily, have the driver ring the watcher once its last
-        copy landed (a job followed closely has its rings already). ``doorbell_of_loop``: gives the
-        doorbell of the asyncio loop that awaits it (call on that loop): the driver rings the loop instead, which looks itself
-        (:meth:`rung`), with no other thread woken on the way."""
-        if job.watch != WATCH_LAZILY:  # asked again under the lock
-            return
-        doorbell = doorbell_of_loop() if doorbell_of_loop is not None else None
+        copy landed (a job followed closely has its rings already)."""
         with self._lock:
             if job.ended or self._stopping or job.watch != WATCH_LAZILY:
                 return
             job.watch = WATCH_RUNG
-            if doorbell is not None:
-                job.doorbell = doorbell
-                target = self._doorbell_targets.get(doorbell)
-                if target is not None and _older(target, job, self._jobs):
-                    return  # that ring comes first, and the loop's look rings for this job
-                self._doorbell_targets[doorbell] = job
-            else:
-                target = self._ring_target
-                if self._ring_pending and target is not None and _older(target, job, self._jobs):
-                    return  # the ring on its way comes first, and the look it brings rings for this job: a burst costs one
-                in_order = not self._ring_pending
-                self._ring_pending = True
-                if in_order:
-                    self._ring_target = job
+            target = self._ring_target
+            if self._ring_pending and target is not None and _older(target, job, self._jobs):
+                return  # the ring on its way comes first, and the look it brings rings for this job: a burst costs one
+            in_order = not self._ring_pending
+            self._ring_pending = True
+            if in_order:
+                self._ring_target = job
         events = job.events
-        if doorbell is not None:
-            doorbell.tell(self)
-            self._ring_after(events[-1] if events else None, False, doorbell)
-        else:
-            self._ring_after(events[-1] if events else None, in_order)  # out of order: it may land before the ring on its way
-
-    def rung(self, doorbell: Doorbell) -> None:
-        """(On the loop whose ``doorbell`` the driver rang.) Look, as the watcher does when rung (the
-        landed jobs end here, their awaiting tasks woken without a hop), then ring that loop again
-        for the oldest job it awaits that is still in flight."""
-        self._sweep()
-        with self._lock:
-            after = next((j for j in self._jobs if j.doorbell is doorbell and not j.ended), None)
-            if after is not None:
-                self._doorbell_targets[doorbell] = after
-            else:
-                self._doorbell_targets.pop(doorbell, None)
-        if after is not None:
-            events = after.events
-            self._ring_after(events[-1] if events else None, False, doorbell)
+        self._ring_after(events[-1] if events else None, in_order)  # out of order: it may land before the ring on its way
 
     def when_complete(self, event: CopyEvent, landed: Landed, *, in_order: bool = True) -> None:
         """Call ``landed(failure)`` on the watcher's thread once ``event`` completed. ``in_order=False``:
@@ -185,19 +150,17 @@ class LandingWatcher:
         if ring:
             self._ring_after(event, in_order)
 
-    def _ring_after(self, event: CopyEvent | None, in_order: bool = True, alarm: Doorbell | WakeSemaphore | None = None) -> None:
-        """Have the driver ring the watcher (or ``alarm``, a loop's doorbell) once ``event`` completes
-        (None: look now); ``in_order=False``: ``event`` may complete before the copy a ring is on its
-        way for."""
-        alarm = alarm or self._semaphore
+    def _ring_after(self, event: CopyEvent | None, in_order: bool = True) -> None:
+        """Have the driver ring the watcher once ``event`` completes (None: look now); ``in_order=False``:
+        ``event`` may complete before the copy a ring is on its way for."""
         if event is None:
-            alarm.ring()
+            self._semaphore.ring()
             return
         try:
-            self._copier.ring_when_complete(event, alarm, in_order)
+            self._copier.ring_when_complete(event, self._semaphore, in_order)
         except Exception:  # a failed device: the next look finds the copy failed
             log.debug("%s: could not enqueue a landing ring", self._thread.name, exc_info=True)
-            alarm.ring()
+            self._semaphore.ring()
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -213,10 +176,6 @@ class LandingWatcher:
 
     def _sweep(self) -> None:
         """Report what landed; keep the rest, and have the driver ring again for the oldest of it."""
-        with self._sweeping:
-            self._look()
-
-    def _look(self) -> None:
         with self._lock:
             jobs, waits = list(self._jobs), list(self._waits)
             self._ring_pending = False  # the ring came (or this is a recheck): a hand-over may ring again
@@ -296,7 +255,7 @@ def _ring_for(jobs: collections.deque[Job], waits: list[tuple[CopyEvent, Landed]
     or come back with :meth:`LandingWatcher.look_again`; a job followed lazily has a ring of its own once
     somebody waits for it)."""
     for job in jobs:
-        if job.watch == WATCH_LAZILY or job.doorbell is not None:  # a loop's doorbell rings for it
+        if job.watch == WATCH_LAZILY:
             continue
         event = _next_event(job)
         events = job.events

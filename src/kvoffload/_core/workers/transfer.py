@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, Generator, Literal
 
 from ..base.async_backends import running_asyncio_loop, wakeup
-from ..base.cross_thread import Doorbell, mailbox_of
+from ..base.cross_thread import mailbox_of
 from ..base.errors import ClosedError, TransferCancelled
 from ..base.helper_threads import PROCESS
 
@@ -229,7 +229,7 @@ class Transfer:
                 if self._generation != PROCESS.generation:
                     self._check_process()
                 woken = wakeup()
-                if self._on_end_registered(woken.wake, woken.doorbell):
+                if self._on_end_registered(woken.wake):
                     # If the awaiting task is cancelled, so is the transfer; its cancellation is held back
                     # until nothing more is written.
                     cancellation = yield from woken.wait_through_cancel(self.cancel).__await__()
@@ -258,7 +258,7 @@ class Transfer:
         self._check_process()
         woken = wakeup()
         if state is None:
-            pending = self._on_end_registered(woken.wake, woken.doorbell)
+            pending = self._on_end_registered(woken.wake)
         else:
             with self._lock:
                 pending = self._state == _PENDING and not state.done
@@ -295,16 +295,15 @@ class Transfer:
 
     # -- waiting from an event loop ---------------------------------------------
 
-    def _on_end_registered(self, wake: Callable[[Transfer], Any], doorbell: Callable[[], Doorbell | None] | None = None) -> bool:
-        """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended.
-        ``doorbell``: gives the awaiting loop's, for the driver to ring once the copies landed."""
+    def _on_end_registered(self, wake: Callable[[Transfer], Any]) -> bool:
+        """Register ``wake`` to run where the transfer ends; False (nothing registered) if it has ended."""
         with self._lock:
             if self._state != _PENDING:
                 return False
             self._callbacks.append((wake, None, None))
             job = self._job
         if job is not None:
-            job.want_end(doorbell)
+            job.want_end()
         return True
 
     def _cancelled_error(self) -> TransferCancelled:
