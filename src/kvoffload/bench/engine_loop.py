@@ -14,7 +14,7 @@ import torch
 from kvoffload import Offloader
 
 from .cache_layout import Layout
-from .measure import frozen_heap, python_work
+from .measure import frozen_heap, python_steps, python_work
 from .report import Report
 
 __all__ = ["engine_loop_scenario"]
@@ -102,7 +102,9 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
     """A synthetic serving step with no offloading, with kvoffload, and with the seed-style baseline.
 
     Each step runs GPU work on the caller's stream (four bf16 4096x4096 matmuls; on CPU, none) and
-    ``python_ms`` of Python (scheduling, input preparation), as an engine does; meanwhile the next
+    ``python_ms`` of Python (scheduling, input preparation: a fixed number of turns of a Python loop,
+    that many milliseconds' worth when alone, so that the GIL other threads take during it lengthens
+    the step), as an engine does; meanwhile the next
     step's prefix hits (8 blocks) load, and this step's 4 new blocks store once its GPU work is done
     (ordered after it on the caller's stream). The step waits for the loads it needs and for the
     previous step's stores, never for copies it could overlap. The three run interleaved ``rounds``
@@ -121,6 +123,9 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
             for _ in range(4):
                 a @ a
 
+    alone = python_work(0.3)  # turns per second of the step's Python loop, alone
+    turns = {ms: max(1, round(alone * ms / 1e3)) for ms in python_ms}
+
     async def run(offload: StepOffload, ms: float) -> tuple[float, dict[str, float]]:
         """Seconds per step of one run of ``steps`` steps, and seconds per step in each part of it:
         the offloading system's calls, its waits, and the step's own Python."""
@@ -137,7 +142,7 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
             c = clock()
             loading = offload.load_hits(step)
             d = clock()
-            python_work(ms / 1e3)
+            python_steps(turns[ms])
             e = clock()
             await offload.wait(stores)  # the previous step's
             f = clock()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LoopThread", "best_gbps", "frozen_heap", "latency_summary", "percentile", "python_work", "rate_beside", "rounds_gbps",
+__all__ = ["LoopThread", "best_gbps", "frozen_heap", "latency_summary", "percentile", "python_steps", "python_work", "rate_beside", "rounds_gbps",
            "sync_device"]
 
 
@@ -74,6 +74,15 @@ def python_work(seconds: float, until: Callable[[], bool] | None = None) -> floa
             d[i & 63] = i * 3
         n += 1
     return n / max(time.perf_counter() - t0, 1e-9)
+
+
+def python_steps(count: int) -> None:
+    """``count`` turns of :func:`python_work`'s loop: a fixed amount of Python, which takes longer
+    when other threads take the GIL meanwhile (:func:`python_work` runs for a fixed time instead)."""
+    d: dict[int, int] = {}
+    for _ in range(count):
+        for i in range(1000):
+            d[i & 63] = i * 3
 
 
 def rate_beside(step: Callable[[], int], seconds: float, busy_other: bool) -> tuple[float, float]:
