@@ -14,10 +14,14 @@ import torch
 from kvoffload import Offloader
 
 from .cache_layout import Layout
-from .measure import frozen_heap, python_steps, python_work
+from .measure import frozen_heap, python_steps
 from .report import Report
 
 __all__ = ["engine_loop_scenario"]
+
+CALIBRATION_TURNS = 5000
+"""Turns of the step's Python loop timed alone to learn how many make a millisecond (a few tenths
+of a second)."""
 
 HITS, NEW = 8, 4
 """Blocks a step loads (the next step's prefix hits) and stores (its new blocks)."""
@@ -123,7 +127,9 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
             for _ in range(4):
                 a @ a
 
-    alone = python_work(0.3)  # turns per second of the step's Python loop, alone
+    t0 = time.perf_counter()
+    python_steps(CALIBRATION_TURNS)  # the step's own loop, alone: its turns per second
+    alone = CALIBRATION_TURNS / (time.perf_counter() - t0)
     turns = {ms: max(1, round(alone * ms / 1e3)) for ms in python_ms}
 
     async def run(offload: StepOffload, ms: float) -> tuple[float, dict[str, float]]:
