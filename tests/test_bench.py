@@ -22,7 +22,7 @@ from kvoffload.bench.remote_tier import redis_unavailable
 from kvoffload.bench.report import Report
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--gib", "0.01", "--disk-gib", "0.01", "--small", "200", "--busy-seconds", "0.3", "--engine-steps", "20",
+TINY = ["--gib", "0.01", "--disk-gib", "0.01", "--small", "200", "--busy-seconds", "0.3", "--engine-steps", "20", "--engine-rounds", "3",
         "--layout", "4x2x16x8x128:bf16", "--ttft-tokens", "64"]
 
 

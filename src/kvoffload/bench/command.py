@@ -136,7 +136,7 @@ SCENARIOS: dict[str, tuple[Callable[[Run], None], ...]] = {
     "sglang": (lambda r: sglang_scenarios(r.rep, min(r.disk_gib, 0.25), r.args.disk_dir),),
     "small": (lambda r: small_transfers(r.rep, r.dev, r.base, r.args.small),),
     "cost": (lambda r: cost_scenario(r.rep, r.dev),),
-    "engine": (lambda r: engine_loop_scenario(r.rep, r.lay, min(r.gib, 0.25), r.dev, r.base, r.args.engine_steps),),
+    "engine": (lambda r: engine_loop_scenario(r.rep, r.lay, min(r.gib, 0.25), r.dev, r.base, r.args.engine_steps, rounds=r.args.engine_rounds),),
     "latency": (_latency,),
 }
 """Each scenario's name (for ``--skip`` and ``--only``) -> its steps (one progress line each), in the order they run."""
@@ -203,7 +203,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-tokens", type=token_counts, default=None,
                    help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
     p.add_argument("--small", type=positive_int, default=5000, help="one-block transfers in the small-transfer scenario")
-    p.add_argument("--engine-steps", type=positive_int, default=150, help="steps per run of the engine-loop scenario")
+    p.add_argument("--engine-steps", type=positive_int, default=40, help="steps per run of the engine-loop scenario")
+    p.add_argument("--engine-rounds", type=positive_int, default=12,
+                   help="rounds of the engine-loop scenario: in each, one run per system, side by side")
     p.add_argument("--busy-seconds", type=positive_float, default=2.0, help="seconds per measurement of the busy-caller scenario")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--skip", type=scenario_names, default=set(), metavar="NAMES",

@@ -4,6 +4,7 @@ seed-style baseline, in the same run, for two lengths of the step's own Python."
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Any, Protocol
 
@@ -101,8 +102,8 @@ def _new_block(step: int, j: int, cache_blocks: int) -> int:
     return 2 * HITS + (step * NEW + j) % (cache_blocks - 2 * HITS)
 
 
-def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, steps: int = 150,
-                         python_ms: tuple[float, ...] = (3.0, 10.0), rounds: int = 3) -> None:
+def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, steps: int = 40,
+                         python_ms: tuple[float, ...] = (3.0, 10.0), rounds: int = 12) -> None:
     """A synthetic serving step with no offloading, with kvoffload, and with the seed-style baseline.
 
     Each step runs GPU work on the caller's stream (four bf16 4096x4096 matmuls; on CPU, none) and
@@ -111,11 +112,15 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
     the step), as an engine does; meanwhile the next
     step's prefix hits (8 blocks) load, and this step's 4 new blocks store once its GPU work is done
     (ordered after it on the caller's stream). The step waits for the loads it needs and for the
-    previous step's stores, never for copies it could overlap. The three run interleaved ``rounds``
-    times per Python length; the fastest run of each counts.
+    previous step's stores, never for copies it could overlap.
+
+    The three run ``rounds`` times per Python length, each round one short run of ``steps`` steps of
+    each (in a rotating order), so that a machine whose speed drifts by tens of percent within seconds
+    slows all three alike. Each system's figure is the median over the rounds of its step time divided
+    by the bare step's in the same round, times the bare step's median: ``/ceil`` is that median ratio.
     """
-    rep.begin(f"engine loop: {steps} steps of {' or '.join(f'{ms:g}' for ms in python_ms)} ms Python + GPU work, "
-              f"{HITS}-block loads and {NEW}-block stores; none, kvoffload, baseline")
+    rep.begin(f"engine loop: {rounds} rounds of {steps} steps of {' or '.join(f'{ms:g}' for ms in python_ms)} ms Python "
+              f"+ GPU work, {HITS}-block loads and {NEW}-block stores; none, kvoffload, baseline side by side")
     cache_blocks = max(lay.blocks_for(gib), 2 * HITS + NEW * steps)
     host_blocks = HITS + NEW * steps + 8
     caches = lay.cache(cache_blocks, dev)
@@ -163,46 +168,48 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
         await offload.wait(loading)
         return (clock() - t0) / steps, {"calls": calls / steps, "waits": waits / steps, "python": python / steps}
 
-    parts: dict[float, dict[str, dict[str, float]]] = {ms: {} for ms in python_ms}
-    """Per Python length and variant: the parts of its fastest run."""
+    Runs = dict[str, list[tuple[float, dict[str, float]]]]
 
-    async def measure() -> dict[float, dict[str, float]]:
-        best: dict[float, dict[str, float]] = {ms: {} for ms in python_ms}
+    async def measure() -> dict[float, Runs]:
+        runs: dict[float, Runs] = {ms: {} for ms in python_ms}
         async with Offloader(caches, host_blocks=host_blocks) as off:
             await off.store({("p", j): j for j in range(HITS)})
             kvo = KvoffloadSteps(off, cache_blocks)
             hb = base.HostBaseline(caches, host_blocks)
             try:
                 hb.wait(hb.store([(j, j) for j in range(HITS)]))
-                variants: dict[str, StepOffload] = {"bare": NoOffload(), "kvoffload": kvo,
-                                                    "baseline": BaselineSteps(hb, cache_blocks, host_blocks)}
-                for offload in variants.values():  # warm up
+                variants: list[tuple[str, StepOffload]] = [("bare", NoOffload()), ("kvoffload", kvo),
+                                                           ("baseline", BaselineSteps(hb, cache_blocks, host_blocks))]
+                for _, offload in variants:  # warm up
                     await run(offload, python_ms[0])
                     kvo.forget(steps)
                 for ms in python_ms:
-                    for _ in range(rounds):
-                        for name, offload in variants.items():
-                            seconds, split = await run(offload, ms)
+                    for r in range(rounds):
+                        for name, offload in variants[r % 3:] + variants[:r % 3]:
+                            runs[ms].setdefault(name, []).append(await run(offload, ms))
                             kvo.forget(steps)
-                            if seconds < best[ms].get(name, float("inf")):
-                                best[ms][name], parts[ms][name] = seconds, split
             finally:
                 hb.close()
-        return best
+        return runs
 
     with frozen_heap():
-        best = asyncio.run(measure())
-    rep.extra["engine_loop"] = {
-        f"{ms:g}ms": {**{f"{k}_ms": v * 1e3 for k, v in b.items()},
-                      **{f"{k}_{part}_us": us * 1e6 for k, split in parts[ms].items() for part, us in split.items()}}
-        for ms, b in best.items()
-    }
-    for ms, b in best.items():
-        inflation = {k: f"{100 * (v / b['bare'] - 1):+.1f}%" for k, v in b.items() if k != "bare"}
-        kvo, bare = parts[ms]["kvoffload"], parts[ms]["bare"]
-        where = (f"kvoffload's extra per step: {1e6 * (kvo['calls'] - bare['calls']):.0f} us in its calls, "
-                 f"{1e6 * (kvo['waits'] - bare['waits']):.0f} us in its waits, {1e6 * (kvo['python'] - bare['python']):+.0f} us "
-                 f"in the step's own Python (what other threads took of the GIL)")
-        rep.row(f"engine step, {ms:g} ms of Python", "ms", b["kvoffload"] * 1e3, b["bare"] * 1e3, b["baseline"] * 1e3,
-                note="ceiling = no offloading; step-time inflation " + ", ".join(f"{k} {v}" for k, v in inflation.items())
+        runs = asyncio.run(measure())
+    extra: dict[str, dict[str, float]] = {}
+    for ms, by_name in runs.items():
+        bare = [seconds for seconds, _ in by_name["bare"]]
+        bare_median = statistics.median(bare)
+        figure = {name: bare_median * statistics.median(seconds / b for (seconds, _), b in zip(rs, bare))
+                  for name, rs in by_name.items()}
+        parts = {name: {part: statistics.median(split[part] for _, split in rs) for part in rs[0][1]} for name, rs in by_name.items()}
+        extra[f"{ms:g}ms"] = {**{f"{k}_ms": v * 1e3 for k, v in figure.items()},
+                              **{f"{k}_{part}_us": us * 1e6 for k, split in parts.items() for part, us in split.items()}}
+        inflation = {k: f"{100 * (v / bare_median - 1):+.1f}%" for k, v in figure.items() if k != "bare"}
+        kvo, bare_parts = parts["kvoffload"], parts["bare"]
+        where = (f"kvoffload's extra per step (medians): {1e6 * (kvo['calls'] - bare_parts['calls']):.0f} us in its calls, "
+                 f"{1e6 * (kvo['waits'] - bare_parts['waits']):.0f} us in its waits, {1e6 * (kvo['python'] - bare_parts['python']):+.0f} us "
+                 f"in the step's own Python (what other threads took of the GIL, and the machine's drift)")
+        rep.row(f"engine step, {ms:g} ms of Python", "ms", figure["kvoffload"] * 1e3, bare_median * 1e3, figure["baseline"] * 1e3,
+                note="ceiling = no offloading, median step; each system: the median of its step over the bare step's in the "
+                     "same round, times that; step-time inflation " + ", ".join(f"{k} {v}" for k, v in inflation.items())
                      + "; " + where)
+    rep.extra["engine_loop"] = extra
