@@ -184,9 +184,9 @@ class _RingCountingCopier(StandInCopier):
         super().__init__(flag)
         self.rings = 0
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         self.rings += 1
-        super().ring_when_complete(event, alarm, in_order)
+        super().ring_when_complete(event, alarm, in_order, for_thread)
 
 
 def _worker_with_flag(flag: StandInFlag):

@@ -65,12 +65,12 @@ class HeldRingsCopier(StandInCopier):
         self._through = False
         self._held: list = []
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         with self._lock:
             if not self._through:
                 self._held.append((event, alarm))
                 return
-        super().ring_when_complete(event, alarm, in_order)
+        super().ring_when_complete(event, alarm, in_order, for_thread)
 
     def let_rings_through(self) -> None:
         with self._lock:
@@ -359,9 +359,9 @@ class WaiterRingsOnlyCopier(StandInCopier):
 
     watcher_semaphore: object = None
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         if alarm is not self.watcher_semaphore:
-            super().ring_when_complete(event, alarm, in_order)
+            super().ring_when_complete(event, alarm, in_order, for_thread)
 
 
 @pytest.mark.parametrize("chunks", [1, 3], ids=["one copy", "three copies, a cancel flag"])
@@ -415,11 +415,11 @@ class RecordedRings(StandInCopier):
         self.out_of_order: list = []
         """Events rung for with ``in_order=False``."""
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         self.rings.append((event, alarm))
         if not in_order:
             self.out_of_order.append(event)
-        super().ring_when_complete(event, alarm, in_order)
+        super().ring_when_complete(event, alarm, in_order, for_thread)
 
 
 @pytest.mark.parametrize("reports_landings", [True, False], ids=["store, chunk by chunk", "load"])

@@ -62,7 +62,7 @@ class EventCopier:
     def stops_on(self, flag: object):
         return contextlib.nullcontext()
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         with self._rings_lock:
             if self._held_rings is not None:
                 self._held_rings.append((event, alarm))

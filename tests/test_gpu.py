@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvoffload
+import kvoffload._testing
 from kvoffload._testing import pinned_buffers
 from support.caches import check_every_visible_key, random_caches, same_bytes
 
@@ -251,6 +252,65 @@ async def test_awaited_one_block_transfers_in_flight_end_as_they_land_byte_exact
 
 async def _awaited(transfer):
     return await transfer
+
+
+async def _later_store_done_when_earlier_resumes() -> bool:
+    """A store queued behind ~50 ms of kernel, then one behind ~1 s more, whose result() a thread
+    sleeps in; a task then awaits the first (still in flight). Whether the second had ended when the
+    task resumed (it should not have: the first lands a second sooner); both round trips checked."""
+    caches = gpu_caches(16)
+    asleep = threading.Event()
+
+    class Watched:
+        """The real copier, telling when a thread's own ring was enqueued."""
+
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+        def ring_when_complete(self, event, semaphore, in_order=True, for_thread=False):
+            self._real.ring_when_complete(event, semaphore, in_order, for_thread)
+            if for_thread:
+                asleep.set()
+
+    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+        kvoffload._testing.take_gpu_path(off, lambda kind, copier: Watched(copier))
+        torch.cuda._sleep(SLEEP_CYCLES // 2)
+        early = off.store({"early": 2})
+        torch.cuda._sleep(SLEEP_CYCLES * 10)
+        late = off.store({"late": 3})
+        waiter = threading.Thread(target=late.result)
+        waiter.start()
+        assert await asyncio.to_thread(asleep.wait, 10), "the thread never slept in result()"
+        assert not early.done()
+        await asyncio.wait_for(early, 10)
+        late_done = late.done()
+        await asyncio.to_thread(waiter.join, 10)
+        assert late.done()
+        await off.load({"early": 7, "late": 8})
+        assert all(same_bytes(t[7], t[2]) and same_bytes(t[8], t[3]) for t in caches.values())
+    return late_done
+
+
+@pytest.mark.asyncio
+async def test_a_thread_asleep_on_a_later_copy_holds_back_no_earlier_one():
+    """A thread asleep in ``result()`` rings from a ring stream of its own: a task awaiting an earlier
+    copy of the same worker resumes once that one landed, not once the thread's did."""
+    assert not await _later_store_done_when_earlier_resumes()
+
+
+@pytest.mark.asyncio
+async def test_the_sleeper_test_fails_with_its_ring_on_the_watchers_stream(monkeypatch):
+    """The test above can fail: with a thread's ring on the watcher's in-order stream, the earlier
+    store ends only once the later one landed."""
+    from kvoffload._core.cuda.cuda_copier import CudaBlockCopier
+
+    real = CudaBlockCopier.ring_when_complete
+    monkeypatch.setattr(CudaBlockCopier, "ring_when_complete",
+                        lambda self, event, semaphore, in_order=True, for_thread=False: real(self, event, semaphore, in_order))
+    assert await _later_store_done_when_earlier_resumes()
 
 
 @pytest.mark.asyncio

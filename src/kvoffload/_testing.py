@@ -86,7 +86,8 @@ def check_index(off: Offloader) -> None:
 
 
 def take_gpu_path(off: Offloader, wrap: Callable[[str, BlockCopier], BlockCopier]) -> None:
-    """Make ``off`` (started, over CPU caches) take its GPU path, to drive that path on any machine:
+    """Make ``off`` (started, over CPU caches) take its GPU path, to drive that path on any machine
+    (over GPU caches: copy through ``wrap`` of the real copiers, to watch their calls):
     each worker (``kind`` "store" or "load") copies through ``wrap(kind, its copier)``, a stand-in whose
     copies complete with events the test completes (``query``, ``synchronize``; ``ring_when_complete``
     rings the given semaphore once the event completes), followed by a landing watcher; transfers

@@ -94,7 +94,7 @@ class StandInCopier:
 
         return scope()
 
-    def ring_when_complete(self, event: StandInEvent, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: StandInEvent, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         event.ring_on_completion(alarm)
 
     def to_device(self, host, rows, block_ids) -> StandInEvent:
@@ -124,7 +124,7 @@ class CopiesAtOnce:
     def take_cancel_flag(self) -> None:
         return None
 
-    def ring_when_complete(self, event: StandInEvent, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: StandInEvent, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         event.ring_on_completion(alarm)
 
     def to_host(self, block_ids, host, rows) -> StandInEvent:
@@ -203,7 +203,7 @@ class StandInDriver:
         for alarm in alarms:
             alarm.ring()
 
-    def ring_when_complete(self, event, alarm, in_order: bool = True) -> None:
+    def ring_when_complete(self, event, alarm, in_order: bool = True, for_thread: bool = False) -> None:
         """What the CUDA copier's ``ring_when_complete`` asks of the driver: ring ``alarm`` once ``event`` completes."""
         with self._cond:
             if self._outcome[event.handle] is None:

@@ -93,9 +93,11 @@ class CudaBlockCopier:
         self._kstream, self._cstream = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         # Rings for threads asleep until a copy lands: host functions wait on streams of their own,
         # delaying no copy. A stream runs its rings in order, so rings for events in completion order
-        # share one and the others (a cancel flag's raise, a copy before one already rung for) get
-        # the second: queued behind a ring for a later copy, they would ring only once that one landed.
-        self._ring_streams = (torch.cuda.Stream(device=layout.device), torch.cuda.Stream(device=layout.device))
+        # share one (the landing watcher's); the others (a cancel flag's raise, a copy before one already
+        # rung for) get the second; a thread asleep in ``result()`` rings from the third, since it may
+        # wait for a later copy than the watcher's next ring: queued behind a ring for a later copy, a
+        # ring would come only once that one landed.
+        self._ring_streams = tuple(torch.cuda.Stream(device=layout.device) for _ in range(3))
         self._ring_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
         self._turn = 0
@@ -163,15 +165,16 @@ class CudaBlockCopier:
             return
         self._copies.check(self._chunks.wait(handle))  # both streams: kernels touch cache blocks when staged, DMA when direct
 
-    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True, for_thread: bool = False) -> None:
         """Have the driver ring ``semaphore`` once ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``)
         completes: a stream of its own waits for the event, then calls libc's ``sem_post`` as a host
         function (no Python, no GIL). ``in_order=False``: ``event`` may complete before events rung for
-        earlier (a cancel flag's raise, an earlier copy): its ring goes on the second ring stream."""
+        earlier (a cancel flag's raise, an earlier copy): its ring goes on the second ring stream;
+        ``for_thread``: a waiting thread's own ring, on the third."""
         if self._no_context():
             self._calls.ensure_context(self._device_index)
         handle = event.handle if isinstance(event, DriverEvent) else _event_handle(event)  # the usual case inlined
-        calls = self._ring_calls[0 if in_order else 1]
+        calls = self._ring_calls[2 if for_thread else 0 if in_order else 1]
         with self._ring_lock:  # one waiting thread's wait and ring at a time: each ring after its event
             failed = enqueue_ring(*calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
         if failed is not None:

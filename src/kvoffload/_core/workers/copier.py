@@ -55,11 +55,12 @@ class BlockCopier(Protocol):
         """Loads enqueued inside stop writing the cache once ``flag`` (from :meth:`take_cancel_flag`) is raised."""
         ...
 
-    def ring_when_complete(self, event: CopyEvent, semaphore: WakeSemaphore, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: CopyEvent, semaphore: WakeSemaphore, in_order: bool = True, for_thread: bool = False) -> None:
         """Have ``semaphore`` rung once ``event`` (one of this copier's completion events) completes,
         without Python running meanwhile. ``in_order=False``: ``event`` may complete before events
         already rung for (a cancel flag's raise; an earlier copy than one rung for): its ring must not
-        wait behind theirs."""
+        wait behind theirs. ``for_thread``: the ring of a thread asleep until ``event`` completes (it
+        may be for a later copy than the landing watcher's next ring, which must not wait behind it)."""
         ...
 
     def close(self) -> None:
@@ -98,7 +99,7 @@ class CpuBlockCopier:
     def stops_on(self, flag: Any) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True) -> None:
+    def ring_when_complete(self, event: Any, semaphore: WakeSemaphore, in_order: bool = True, for_thread: bool = False) -> None:
         semaphore.ring()  # CPU copies are complete when they return
 
     def to_host(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> None:

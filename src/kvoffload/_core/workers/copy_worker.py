@@ -184,7 +184,7 @@ class CopyWorker:
         once ``event`` completed, as it rings the landing watcher's; False if that cannot be enqueued
         (a failed device: the watcher ends the job)."""
         try:
-            self._copier.ring_when_complete(event, semaphore)
+            self._copier.ring_when_complete(event, semaphore, for_thread=True)  # on a ring stream of its own
             return True
         except Exception:
             log.debug("%s: could not enqueue a ring for a waiting thread", self.name, exc_info=True)
