@@ -1,6 +1,6 @@
 """The compiled part of kvoffload; everything else is in pyproject.toml.
 
-Two C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
+Three C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
 Python headers any CPython build machine has (no CUDA toolkit: the driver's entry points are
 resolved at run time). See docs/design.md, *The compiled core*.
 """
@@ -14,6 +14,11 @@ setup(
         Extension(
             "kvoffload._core.base.piece_copies",
             sources=["src/kvoffload/_core/base/piece_copies.c"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvoffload._core.base.call_checks",
+            sources=["src/kvoffload/_core/base/call_checks.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

@@ -183,6 +183,43 @@ def test_two_keys_loading_into_one_block_fail_the_call(fx, ids):
     fx.expect_nothing_moved(before)
 
 
+class IntKey(int):
+    """Not a native key (a subclass of int)."""
+
+
+_PARTS = st.one_of(st.text(max_size=3), st.binary(max_size=3), st.integers(-3, 3), st.booleans())
+_KEYS = st.one_of(_PARTS, st.tuples(_PARTS, _PARTS), st.tuples(_PARTS, st.tuples(_PARTS)), st.builds(IntKey, st.integers(0, 3)),
+                  st.floats(allow_nan=False))
+_IDS = st.one_of(st.integers(-2, NUM_BLOCKS + 1), st.booleans(), st.builds(np.int64, st.integers(0, NUM_BLOCKS - 1)),
+                 st.just(1.0))
+
+
+def _outcome(call, blocks):
+    try:
+        transfer = call(blocks)
+    except (TypeError, ValueError, KeyError) as e:
+        return type(e), str(e)
+    transfer.result(10)
+    return "ok"
+
+
+@SETTINGS
+@given(items=st.lists(st.tuples(_KEYS, _IDS), max_size=6, unique_by=lambda kv: (type(kv[0]), kv[0])), kind=st.sampled_from(["store", "load"]))
+def test_a_dict_and_any_other_mapping_of_the_same_items_are_checked_alike(fx, items, kind):
+    """The check of a plain dict (its common case at C speed) and of any other mapping with the same
+    items (checked in Python) accept the same calls and refuse the others with the same error."""
+    blocks = dict(items)
+    call = fx.off.store if kind == "store" else fx.off.load
+    as_dict = _outcome(call, blocks)
+    as_mapping = _outcome(call, ListKeyed(blocks.items()))
+    assert as_dict == as_mapping
+    if as_dict == "ok" and kind == "store":
+        fx.off.discard([k for k in blocks if k not in STORED])
+    elif as_dict == "ok":  # loaded stored keys: the cache as the other tests expect it
+        for n, t in fx.caches.items():
+            t.copy_(fx.snapshot[n])
+
+
 def test_load_rejects_duplicate_destinations_and_missing_keys(make_offloader, caches):
     off = make_offloader(caches, host_blocks=16)
     off.store({"a": 1, "b": 2}).result(10)

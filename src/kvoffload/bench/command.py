@@ -203,8 +203,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-tokens", type=token_counts, default=None,
                    help="prompt lengths of the time-to-first-token rows (default 4096,16384,32768 on GPU, 256,1024 on CPU)")
     p.add_argument("--small", type=positive_int, default=5000, help="one-block transfers in the small-transfer scenario")
-    p.add_argument("--engine-steps", type=positive_int, default=40, help="steps per run of the engine-loop scenario")
-    p.add_argument("--engine-rounds", type=positive_int, default=12,
+    p.add_argument("--engine-steps", type=positive_int, default=20, help="steps per run of the engine-loop scenario")
+    p.add_argument("--engine-rounds", type=positive_int, default=24,
                    help="rounds of the engine-loop scenario: in each, one run per system, side by side")
     p.add_argument("--busy-seconds", type=positive_float, default=2.0, help="seconds per measurement of the busy-caller scenario")
     which = p.add_mutually_exclusive_group()

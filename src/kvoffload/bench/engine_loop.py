@@ -102,8 +102,8 @@ def _new_block(step: int, j: int, cache_blocks: int) -> int:
     return 2 * HITS + (step * NEW + j) % (cache_blocks - 2 * HITS)
 
 
-def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, steps: int = 40,
-                         python_ms: tuple[float, ...] = (3.0, 10.0), rounds: int = 12) -> None:
+def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device, base: ModuleType, steps: int = 20,
+                         python_ms: tuple[float, ...] = (3.0, 10.0), rounds: int = 24) -> None:
     """A synthetic serving step with no offloading, with kvoffload, and with the seed-style baseline.
 
     Each step runs GPU work on the caller's stream (four bf16 4096x4096 matmuls; on CPU, none) and

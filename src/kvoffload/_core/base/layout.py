@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import functools
 import operator
-from itertools import chain
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .keys import NATIVE_KEY_TYPES, TUPLES, check_keys
+from .call_checks import block_mapping
+from .keys import check_keys
 
 __all__ = ["SLOT_ALIGN", "BlockLayout", "TensorPiece", "check_block_mapping", "runs", "slot_bytes_for"]
 
@@ -360,18 +360,12 @@ def check_block_mapping(blocks: object, num_blocks: int, *, unique_ids: bool, ca
     ``ValueError`` for an id outside ``[0, num_blocks)`` or, with ``unique_ids``, two keys naming the
     same block.
     """
+    plain = block_mapping(blocks, num_blocks, unique_ids)  # the common case, at C speed: a dict that passes
+    if plain is not None:
+        return plain
     if not isinstance(blocks, Mapping):
         raise TypeError(f"blocks must be a mapping of key -> block id, got {type(blocks).__name__}")
-    if not NATIVE_KEY_TYPES.issuperset(map(type, blocks)) and not (  # check_keys' two common cases, inlined: a call fewer
-        TUPLES.issuperset(map(type, blocks)) and NATIVE_KEY_TYPES.issuperset(map(type, chain.from_iterable(blocks)))
-    ):
-        check_keys(call, blocks)
-    ids = blocks.values()
-    if len(blocks) > 16 and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:  # a large call, at C speed
-        plain: dict[Hashable, int] = dict(blocks)
-        if unique_ids and len(set(ids)) != len(plain):
-            _refuse_duplicate_ids(plain)
-        return plain
+    check_keys(call, blocks)
     checked: dict[Hashable, int] = {}
     for key, block in blocks.items():
         if type(block) is int and 0 <= block < num_blocks:  # the common case, checked cheaply
