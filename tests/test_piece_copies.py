@@ -309,7 +309,7 @@ def test_chunk_copies_store_staged_waits_gathers_then_copies_runs_to_host() -> N
     driver = StandInDriver()
     chunks = driver.chunk_copies(table)
     rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
-    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3) is None
+    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, False) is None
     assert driver.log == [
         ("wait", K, FREE),  # the staging buffer's last use
         ("launch", K, 12, 256, 0, ids, STAGING[1], 1, 777, 3),  # a CTA per piece, gathering, the cancel flag
@@ -325,7 +325,7 @@ def test_chunk_copies_load_staged_copies_runs_then_scatters() -> None:
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, max_ctas=5)
     rows, ids = [3, 4, 0, 1, 2, 9], [10, 11, 4, 5, 6, 0]
-    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0) is None  # no last use to wait for
+    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0, False) is None  # no last use to wait for
     assert driver.log == [
         ("copies", C, runs_of(rows, 4096, STAGING[0], False)),
         ("record", BETWEEN, C),
@@ -336,13 +336,50 @@ def test_chunk_copies_load_staged_copies_runs_then_scatters() -> None:
     ]
 
 
+def test_chunk_copies_on_one_stream_store_gathers_then_copies_on_the_copy_stream() -> None:
+    """One stream (a chunk short of full): every call on the stream the store ends on, no event between."""
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
+    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, True) is None
+    assert driver.log == [
+        ("wait", C, FREE),
+        ("launch", C, 12, 256, 0, ids, STAGING[1], 1, 777, 3),
+        ("copies", C, runs_of(rows, 1 << 30, STAGING[1], True)),
+        ("record", DONE, C),
+    ]
+
+
+def test_chunk_copies_on_one_stream_load_copies_then_scatters_on_the_kernel_stream() -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    rows, ids = [3, 4, 0], [10, 11, 4]
+    assert driver.chunk_copies(table).copy(False, False, 4096, rows, ids, 0, FREE, DONE, 0, 0, True) is None
+    assert driver.log == [
+        ("wait", K, FREE),
+        ("copies", K, runs_of(rows, 4096, STAGING[0], False)),
+        ("launch", K, 9, 256, 0, ids, STAGING[0], 0, 0, 0),
+        ("record", DONE, K),
+    ]
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_chunk_copies_direct_on_one_stream_copies_on_the_stream_the_transfer_ends_on(to_host) -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    ids, rows = [4, 2], [0, 9]
+    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True) is None
+    stream = C if to_host else K
+    assert driver.log == [("copies", stream, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3))), ("record", DONE, stream)]
+
+
 @pytest.mark.parametrize("to_host", [True, False])
 def test_chunk_copies_direct_copies_every_piece_on_the_copy_stream(to_host) -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, kernel=False)
     ids, rows = [4, 2], [0, 9]
-    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0) is None
+    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, False) is None
     copies = ("copies", C, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3)))
     if to_host:
         assert driver.log == [copies, ("record", DONE, C)]
@@ -427,7 +464,7 @@ def test_context_status_tells_a_current_context_from_none_and_from_an_error(cont
 def test_chunk_copies_stop_at_the_first_failed_call_and_report_it(fail, reported, calls) -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver(fail=fail)
-    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0) == reported
+    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0, False) == reported
     assert len(driver.log) == calls, driver.log
 
 
@@ -436,17 +473,17 @@ def test_chunk_copies_refuse_bad_input_without_calling_the_driver() -> None:
     driver = StandInDriver()
     with_kernel, without = driver.chunk_copies(table), driver.chunk_copies(table, kernel=False)
     with pytest.raises(ValueError, match="staging"):
-        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0)  # staged, but no kernel
+        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0, False)  # staged, but no kernel
     with pytest.raises(ValueError, match="staging"):
-        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0)  # no staging buffer 2
+        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0, False)  # no staging buffer 2
     with pytest.raises(ValueError, match="done"):
-        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0)
+        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0, False)
     with pytest.raises(ValueError, match="host rows"):
-        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0)
+        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0, False)
     with pytest.raises(OverflowError, match="kernel's int"):
-        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0)
+        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0, False)
     with pytest.raises(TypeError):
-        with_kernel.copy(True, False, 0, [0], [0], 0, 0, DONE, 0)  # an argument short
+        with_kernel.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0)  # an argument short
     assert driver.log == []
     with pytest.raises(ValueError, match="kernel"):
         ChunkCopies(driver.functions, 1, 1, K, C, BETWEEN, SLOT, table, STAGING, (1, 2, 3, 4, 0, 6, 7, 8, 9, 10, 11, 12))

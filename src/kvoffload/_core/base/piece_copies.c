@@ -464,7 +464,7 @@ static int pieces_into(Descriptors *d, const Pieces *pieces, Py_ssize_t first, P
     return 0;
 }
 
-static int launch_into(ChunkCopies *self, const Ints *ids, Outcome *o)
+static int launch_into(ChunkCopies *self, void *stream, const Ints *ids, Outcome *o)
 {
     for (Py_ssize_t first = 0; first < ids->n; first += (Py_ssize_t)self->max_blocks) {
         Py_ssize_t n = ids->n - first < (Py_ssize_t)self->max_blocks ? ids->n - first : (Py_ssize_t)self->max_blocks;
@@ -477,7 +477,7 @@ static int launch_into(ChunkCopies *self, const Ints *ids, Outcome *o)
         if (self->max_ctas > 0 && self->max_ctas < grid) {
             grid = self->max_ctas;
         }
-        int err = self->launch(self->function, (unsigned)grid, 1, 1, (unsigned)self->threads, 1, 1, 0, self->kernel_stream, self->params, NULL);
+        int err = self->launch(self->function, (unsigned)grid, 1, 1, (unsigned)self->threads, 1, 1, 0, stream, self->params, NULL);
         if (failed(o, err, CALL_LAUNCH)) {
             return 1;
         }
@@ -485,31 +485,43 @@ static int launch_into(ChunkCopies *self, const Ints *ids, Outcome *o)
     return 0;
 }
 
+/* What runs on `second` from here waits for what was enqueued on `first` (nothing if they are one); 1 if a call failed. */
+static int cross_into(ChunkCopies *self, void *first, void *second, Outcome *o)
+{
+    if (first == second) {
+        return 0;
+    }
+    return failed(o, self->record(self->between, first), CALL_RECORD) || failed(o, self->wait(second, self->between, 0), CALL_WAIT);
+}
+
 PyDoc_STRVAR(chunk_copies_copy_doc,
-"copy(to_host, direct, host_base, rows, block_ids, staging, free_event, done_event, cancel_address, generation, /)\n"
-"    -> None | (error, call, copy_index)\n\n"
+"copy(to_host, direct, host_base, rows, block_ids, staging, free_event, done_event, cancel_address, generation,\n"
+"     one_stream, /) -> None | (error, call, copy_index)\n\n"
 "Enqueue one chunk's copies between cache blocks ``block_ids`` and host rows ``rows``, and record\n"
 "``done_event`` once they are complete: on the copy stream for a store, the kernel stream for a load.\n"
 "``direct``: one DMA per (block, piece); else through staging buffer ``staging`` (0 or 1; its last\n"
 "use ``free_event`` waited for first, 0: none), gathered or scattered by the copy kernel (reading\n"
 "the cancel flag at ``cancel_address``, 0: none) and moved with one DMA per run of host rows.\n"
+"``one_stream``: every copy of the chunk on the stream its end is recorded on (no event between\n"
+"the two streams: a chunk no later chunk of its transfer overlaps).\n"
 "Returns None, or what failed: the driver's error code, the call and the index of the copy.");
 
 static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs(nargs, 10, "copy") < 0) {
+    if (check_nargs(nargs, 11, "copy") < 0) {
         return NULL;
     }
     if (self->pieces_owner == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "ChunkCopies not initialised");
         return NULL;
     }
-    int to_host, direct;
+    int to_host, direct, one_stream;
     uint64_t host_base, staging, free_event, done_event, cancel_address, generation;
     if ((to_host = PyObject_IsTrue(args[0])) < 0 || (direct = PyObject_IsTrue(args[1])) < 0
         || as_u64(args[2], &host_base, "host_base") < 0 || as_u64(args[5], &staging, "staging") < 0
         || as_u64(args[6], &free_event, "free_event") < 0 || as_u64(args[7], &done_event, "done_event") < 0
-        || as_u64(args[8], &cancel_address, "cancel_address") < 0 || as_u64(args[9], &generation, "generation") < 0) {
+        || as_u64(args[8], &cancel_address, "cancel_address") < 0 || as_u64(args[9], &generation, "generation") < 0
+        || (one_stream = PyObject_IsTrue(args[10])) < 0) {
         return NULL;
     }
     if (done_event == 0) {
@@ -540,10 +552,12 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
     Outcome o = {0, 0, 0};
     void *k = self->kernel_stream, *c = self->copy_stream, *between = self->between, *done = (void *)(uintptr_t)done_event;
     if (direct) {
-        /* cache <-> host slots on the copy stream; a load's end is recorded on the kernel stream */
-        if (!issue_into(&self->copies, c, &d, &o)) {
-            if (to_host) {
-                failed(&o, self->record(done, c), CALL_RECORD);
+        /* cache <-> host slots on the copy stream (one stream: a load's on the kernel stream); a load's
+           end is recorded on the kernel stream */
+        void *dma = one_stream && !to_host ? k : c;
+        if (!issue_into(&self->copies, dma, &d, &o)) {
+            if (to_host || dma == k) {
+                failed(&o, self->record(done, dma), CALL_RECORD);
             } else if (!failed(&o, self->record(between, c), CALL_RECORD) && !failed(&o, self->wait(k, between, 0), CALL_WAIT)) {
                 failed(&o, self->record(done, k), CALL_RECORD);
             }
@@ -553,17 +567,17 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         *self->gather_param = to_host;
         *self->cancel_param = cancel_address;
         *self->generation_param = (int32_t)generation;
-        void *first = to_host ? k : c, *second = to_host ? c : k;
+        /* a store gathers on the kernel stream, then moves to host on the copy stream; a load the other
+           way round; one stream: both on the one its end is recorded on */
+        void *second = to_host ? c : k, *first = one_stream ? second : to_host ? k : c;
         if (free_event != 0 && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT)) {
             /* stop */
-        } else if (to_host) { /* gather on the kernel stream, then DMA to host on the copy stream */
-            if (!launch_into(self, &ids, &o) && !failed(&o, self->record(between, first), CALL_RECORD)
-                && !failed(&o, self->wait(second, between, 0), CALL_WAIT) && !issue_into(&self->copies, second, &d, &o)) {
+        } else if (to_host) {
+            if (!launch_into(self, first, &ids, &o) && !cross_into(self, first, second, &o) && !issue_into(&self->copies, second, &d, &o)) {
                 failed(&o, self->record(done, second), CALL_RECORD);
             }
-        } else { /* DMA into staging on the copy stream, then scatter on the kernel stream */
-            if (!issue_into(&self->copies, first, &d, &o) && !failed(&o, self->record(between, first), CALL_RECORD)
-                && !failed(&o, self->wait(second, between, 0), CALL_WAIT) && !launch_into(self, &ids, &o)) {
+        } else {
+            if (!issue_into(&self->copies, first, &d, &o) && !cross_into(self, first, second, &o) && !launch_into(self, second, &ids, &o)) {
                 failed(&o, self->record(done, second), CALL_RECORD);
             }
         }

@@ -200,10 +200,13 @@ class CudaBlockCopier:
 
     def _chunk(self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
         """One chunk's copies, enqueued by one C call (:class:`~..base.piece_copies.ChunkCopies`); its
-        completion event (on the copy stream for a store, the kernel stream for a load)."""
+        completion event (on the copy stream for a store, the kernel stream for a load). A full chunk
+        moves on both streams, so that its gather or scatter overlaps the next chunk's DMA; a shorter
+        one (a small transfer, or a large one's last chunk) and a direct one on the stream its end is
+        recorded on, with no event between the streams: two driver calls fewer."""
         done = DriverEvent(self._device_index)
         if not self._staging or (len(block_ids) * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]):  # direct
-            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0)
+            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0, True)
             if failed is not None:
                 self._copies.check(failed)
             return done
@@ -213,8 +216,9 @@ class CudaBlockCopier:
         if self._kernel is None:
             self._chunk_by_torch(to_host, block_ids, host, rows, b, free, done)
         else:
-            failed = self._chunks.copy(
+            failed = self._chunks.copy(  # a chunk short of full is its transfer's last (or only): on one stream
                 to_host, False, host.data_ptr(), rows, block_ids, b, free.handle if free is not None else 0, done.handle, *self._cancel,
+                len(block_ids) < self.chunk_blocks,
             )
             if failed is not None:
                 self._copies.check(failed)
