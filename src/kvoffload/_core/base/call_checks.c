@@ -40,7 +40,7 @@ static int by_value(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* 1 if two of the n ids are equal, 0 if not, -1 without memory. */
+/* 1 if two of the n ids are equal, else 0 (sorts them when there are more than 16). */
 static int has_duplicates(long long *ids, Py_ssize_t n)
 {
     if (n <= 16) {
