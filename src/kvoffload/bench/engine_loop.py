@@ -198,11 +198,15 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
     for ms, by_name in runs.items():
         bare = [seconds for seconds, _ in by_name["bare"]]
         bare_median = statistics.median(bare)
-        figure = {name: bare_median * statistics.median(seconds / b for (seconds, _), b in zip(rs, bare))
-                  for name, rs in by_name.items()}
+        ratios = {name: sorted(seconds / b for (seconds, _), b in zip(rs, bare)) for name, rs in by_name.items()}
+        figure = {name: bare_median * statistics.median(r) for name, r in ratios.items()}
+        kvo_ratios = ratios["kvoffload"]
+        quartiles = (kvo_ratios[len(kvo_ratios) // 4], kvo_ratios[(3 * len(kvo_ratios)) // 4])
         parts = {name: {part: statistics.median(split[part] for _, split in rs) for part in rs[0][1]} for name, rs in by_name.items()}
         extra[f"{ms:g}ms"] = {**{f"{k}_ms": v * 1e3 for k, v in figure.items()},
-                              **{f"{k}_{part}_us": us * 1e6 for k, split in parts.items() for part, us in split.items()}}
+                              **{f"{k}_{part}_us": us * 1e6 for k, split in parts.items() for part, us in split.items()},
+                              "bare_min_ms": min(bare) * 1e3, "bare_max_ms": max(bare) * 1e3,
+                              "kvoffload_ratio_p25": quartiles[0], "kvoffload_ratio_p75": quartiles[1]}
         inflation = {k: f"{100 * (v / bare_median - 1):+.1f}%" for k, v in figure.items() if k != "bare"}
         kvo, bare_parts = parts["kvoffload"], parts["bare"]
         where = (f"kvoffload's extra per step (medians): {1e6 * (kvo['calls'] - bare_parts['calls']):.0f} us in its calls, "
@@ -211,5 +215,6 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
         rep.row(f"engine step, {ms:g} ms of Python", "ms", figure["kvoffload"] * 1e3, bare_median * 1e3, figure["baseline"] * 1e3,
                 note="ceiling = no offloading, median step; each system: the median of its step over the bare step's in the "
                      "same round, times that; step-time inflation " + ", ".join(f"{k} {v}" for k, v in inflation.items())
-                     + "; " + where)
+                     + f"; over the rounds, kvoffload's ratio {quartiles[0]:.3f}-{quartiles[1]:.3f} (quartiles) and the bare step "
+                     f"{min(bare) * 1e3:.2f}-{max(bare) * 1e3:.2f} ms; " + where)
     rep.extra["engine_loop"] = extra
