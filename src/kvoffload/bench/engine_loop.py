@@ -15,7 +15,7 @@ import torch
 from kvoffload import Offloader
 
 from .cache_layout import Layout
-from .measure import frozen_heap, python_steps
+from .measure import frozen_heap, percentile, python_steps
 from .report import Report
 
 __all__ = ["engine_loop_scenario"]
@@ -198,10 +198,9 @@ def engine_loop_scenario(rep: Report, lay: Layout, gib: float, dev: torch.device
     for ms, by_name in runs.items():
         bare = [seconds for seconds, _ in by_name["bare"]]
         bare_median = statistics.median(bare)
-        ratios = {name: sorted(seconds / b for (seconds, _), b in zip(rs, bare)) for name, rs in by_name.items()}
+        ratios = {name: [seconds / b for (seconds, _), b in zip(rs, bare)] for name, rs in by_name.items()}
         figure = {name: bare_median * statistics.median(r) for name, r in ratios.items()}
-        kvo_ratios = ratios["kvoffload"]
-        quartiles = (kvo_ratios[len(kvo_ratios) // 4], kvo_ratios[(3 * len(kvo_ratios)) // 4])
+        quartiles = (percentile(ratios["kvoffload"], 0.25), percentile(ratios["kvoffload"], 0.75))
         parts = {name: {part: statistics.median(split[part] for _, split in rs) for part in rs[0][1]} for name, rs in by_name.items()}
         extra[f"{ms:g}ms"] = {**{f"{k}_ms": v * 1e3 for k, v in figure.items()},
                               **{f"{k}_{part}_us": us * 1e6 for k, split in parts.items() for part, us in split.items()},

@@ -154,8 +154,8 @@ class CopyWorker:
                     self.loop.mailbox.post(task.cancel)
         elif job.cancel_flag is not None and self._watcher is not None:
             self._stop_early(job)
-        elif self._watcher is not None and job.events is not None:  # it ends once its copies landed
-            self._watcher.want(job)
+        elif job.events is not None:  # it ends once its copies landed
+            self.want(job)
 
     def abandon(self, job: Job) -> None:
         """After an exception (a signal handler's ``KeyboardInterrupt``, say) cut a call short anywhere

@@ -261,12 +261,11 @@ class Job:
         finally:
             self.sleepers.remove(semaphore)
             give_back_wake_semaphore(semaphore)
-            if self.ended:
-                pass
-            elif self.watch == WATCH_CLOSELY:  # the watcher passed over the last copy's ring for this thread
-                worker.look_again()
-            else:  # a cancel, a failed ring
-                self.want_end()
+            if not self.ended:
+                if self.watch == WATCH_CLOSELY:  # the watcher passed over the last copy's ring for this thread
+                    worker.look_again()
+                else:  # a cancel, a failed ring
+                    self.want_end()
 
     def cancel(self) -> None:
         """(Any thread, once :meth:`Transfer.cancel` recorded the request.) Stop what can be stopped: a
