@@ -49,7 +49,11 @@ def test_bench_command_small(tmp_path):
         assert rows[name]["ceiling"] > 0 and rows[name]["baseline"] > 0, name
     # where the engine step's time goes, per variant: the system's calls, its waits, the step's own Python
     parts = data["extra"]["engine_loop"]["3ms"]
-    assert parts["bare_calls_us"] < parts["kvoffload_calls_us"] and parts["kvoffload_python_us"] >= 3000 * 0.9
+    # (the step's Python is a fixed number of turns calibrated once: its time follows the machine's drift, so no
+    # threshold on it; what must hold is that each variant's split is there and the bare step is its own Python)
+    assert all(parts[f"{v}_{p}_us"] >= 0 for v in ("bare", "kvoffload", "baseline") for p in ("calls", "waits", "python"))
+    assert parts["bare_calls_us"] < parts["kvoffload_calls_us"]
+    assert parts["bare_python_us"] > 10 * (parts["bare_calls_us"] + parts["bare_waits_us"])
     assert "in its calls" in rows["engine step, 3 ms of Python"]["note"]
     if redis_unavailable() is None:
         assert rows["TTFT 64 tokens, remote"]["ceiling"] == rows["TTFT 64 tokens, recompute"]["kvoffload"]
