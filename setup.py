@@ -1,6 +1,6 @@
 """The compiled part of kvoffload; everything else is in pyproject.toml.
 
-Three C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
+Four C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
 Python headers any CPython build machine has (no CUDA toolkit: the driver's entry points are
 resolved at run time). See docs/design.md, *The compiled core*.
 """
@@ -19,6 +19,11 @@ setup(
         Extension(
             "kvoffload._core.base.call_checks",
             sources=["src/kvoffload/_core/base/call_checks.c"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvoffload._core.base.wake_semaphores",
+            sources=["src/kvoffload/_core/base/wake_semaphores.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

@@ -378,7 +378,8 @@ def test_a_thread_blocked_in_result_is_rung_by_the_driver_and_ends_the_transfer_
         copier.watcher_semaphore = rig.watcher._semaphore
         transfer, steps, events = rig.start(chunks)
         waiter, outcome = wait_in_thread(transfer)
-        spin_until(lambda: bool(transfer._job is not None and transfer._job.sleepers and events[-1].alarmed.is_set()),
+        first_ring = events[-2 if chunks > 1 else -1]  # several copies: rung once the last but one landed
+        spin_until(lambda: bool(transfer._job is not None and transfer._job.sleepers and first_ring.alarmed.is_set()),
                    what="the waiter asleep, its ring enqueued")
         for e in events:
             e.complete()
@@ -401,9 +402,9 @@ class CountedSleeps(WakeSemaphore):
         super().__init__()
         self.sleeps = 0
 
-    def sleep(self, timeout: float) -> bool:
+    def sleep(self, timeout: float, *, keep_gil: bool = False) -> float | None:
         self.sleeps += 1
-        return super().sleep(timeout)
+        return super().sleep(timeout, keep_gil=keep_gil)
 
 
 class RecordedRings(StandInCopier):
@@ -437,8 +438,8 @@ def test_the_watcher_leaves_the_last_copy_of_a_job_to_the_thread_asleep_on_it(mo
     try:
         transfer, steps, events = rig.start(3, reports_landings)
         waiter, outcome = wait_in_thread(transfer)
-        spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
-                   what="the waiter asleep, its ring enqueued")
+        spin_until(lambda: any(e is events[-2] and a is not watcher_semaphore for e, a in copier.rings),
+                   what="the waiter asleep, its ring (for the last copy but one) enqueued")
         for i in range(2):  # a store's watcher looks after each copy but the last; a load's after its first only
             looks = watcher_semaphore.sleeps
             events[i].complete()
@@ -451,6 +452,40 @@ def test_the_watcher_leaves_the_last_copy_of_a_job_to_the_thread_asleep_on_it(mo
         assert not waiter.is_alive() and len(outcome) == 1
         assert steps.end_threads == ["blocked-waiter"] and steps.cleanups == 1
         assert steps.landings == ([0, 1, 2] if reports_landings else [])
+        rig.look()
+        rig.dropped(steps)
+        assert len(steps.ends) == 1
+    finally:
+        rig.close()
+
+
+def test_a_thread_asleep_on_several_copies_is_rung_a_copy_early_then_for_the_last(monkeypatch):
+    """Behind a thread busy in Python, taking the GIL back after a ring waits up to the switch
+    interval: a thread blocked in result() on several copies is rung once the last but one landed
+    (it takes the GIL back while the last moves), asks a ring for the last only then, and ends the
+    job itself once that landed."""
+    fresh_wake_semaphores(monkeypatch)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
+    rig = _Rig(copier)
+    watcher_semaphore = rig.watcher._semaphore
+    try:
+        transfer, steps, events = rig.start(3)
+        waiter, outcome = wait_in_thread(transfer)
+
+        def waiters_rings() -> list:
+            return [e for e, a in copier.rings if a is not watcher_semaphore]
+
+        spin_until(lambda: waiters_rings() == [events[1]], what="the waiter's ring for the last copy but one")
+        events[0].complete()
+        events[1].complete()
+        spin_until(lambda: waiters_rings() == [events[1], events[2]], what="the waiter's ring for the last copy, once the one before landed")
+        assert waiter.is_alive() and not steps.finished.is_set()
+        events[2].complete()
+        waiter.join(HANG_S)
+        assert not waiter.is_alive() and len(outcome) == 1 and outcome[0].kind == "store"
+        assert steps.end_threads == ["blocked-waiter"] and steps.cleanups == 1
         rig.look()
         rig.dropped(steps)
         assert len(steps.ends) == 1
@@ -472,8 +507,8 @@ def test_a_job_left_by_its_sleeper_before_its_end_is_taken_back_by_the_watcher(m
     try:
         transfer, steps, events = rig.start(2)
         waiter, outcome = wait_in_thread(transfer)
-        spin_until(lambda: any(e is events[-1] and a is not watcher_semaphore for e, a in copier.rings),
-                   what="the waiter asleep, its ring enqueued")
+        spin_until(lambda: any(e is events[0] and a is not watcher_semaphore for e, a in copier.rings),
+                   what="the waiter asleep, its ring (for the last copy but one) enqueued")
         looks = watcher_semaphore.sleeps
         events[0].complete()
         spin_until(lambda: watcher_semaphore.sleeps > looks, what="the watcher's look after copy 0")

@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import gc
 import os
+import sys
 import threading
 import weakref
 
@@ -78,16 +79,39 @@ def test_a_loop_that_closed_before_running_its_posts_is_freed_with_them():
 
 def test_a_wake_semaphore_wakes_its_sleeper_when_rung_from_c_and_keeps_an_early_ring():
     semaphore = WakeSemaphore()
-    assert not semaphore.sleep(0.01)  # nobody rang
+    assert semaphore.sleep(0.01) is None  # nobody rang
     semaphore.ring()
-    assert semaphore.sleep(10)  # rung before the sleep: kept
+    assert semaphore.sleep(10) is not None  # rung before the sleep: kept
+    semaphore.ring()
+    assert semaphore.sleep(10, keep_gil=True) == 0.0  # kept too; no GIL to take back
+    assert semaphore.sleep(0.01, keep_gil=True) is None
     ring_from_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(WakeSemaphore.RING_FUNCTION)  # as the driver's host function
-    woke: list[bool] = []
+    woke: list[float | None] = []
     sleeper = threading.Thread(target=lambda: woke.append(semaphore.sleep(10)))
     sleeper.start()
     ring_from_c(semaphore.address)
     sleeper.join(10)
-    assert woke == [True]
+    assert len(woke) == 1 and woke[0] is not None and 0 <= woke[0] < 10
+
+
+def test_a_thread_woken_behind_a_thread_running_python_learns_how_long_the_gil_took():
+    """What a sleeper on several chunks decides by: the wait to take the GIL back after the ring."""
+    semaphore = WakeSemaphore()
+    interval = sys.getswitchinterval()
+    asleep = threading.Event()
+    woke: list[float | None] = []
+
+    def sleeper() -> None:
+        asleep.set()
+        woke.append(semaphore.sleep(10))
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    asleep.wait(10)
+    semaphore.ring()  # rung while this thread keeps running Python
+    while thread.is_alive():  # pure Python: the sleeper gets the GIL only when this thread is made to drop it
+        pass
+    assert len(woke) == 1 and woke[0] is not None and woke[0] >= interval / 2
 
 
 def test_wake_semaphores_go_back_to_the_pool_not_away():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -506,6 +507,36 @@ def test_a_thread_blocked_on_a_load_of_several_chunks_ends_without_the_workers_l
         torch.cuda.synchronize()
         for n in caches:
             assert same_bytes(caches[n][dst], orig[n][src]), n
+
+
+def test_a_thread_waiting_on_several_chunks_behind_a_thread_running_python_gets_every_byte():
+    """result() on stores and loads of several chunks from a thread while this thread runs Python
+    without a pause: the waiter, rung a chunk early, takes the GIL back while the last chunk moves
+    (and may sleep on the last keeping it); each transfer ends, byte-exact, and the loop ran on."""
+    caches = gpu_caches(256)
+    orig = {n: t.clone() for n, t in caches.items()}
+    src, dst = list(range(100)), [255 - i for i in range(100)]  # apart: every round stores the same bytes
+    with kvoffload.Offloader(caches, host_blocks=120, chunk_bytes=16 * caches_block(caches)) as off:
+        outcome: list[object] = []
+        wrong: list[tuple[int, str]] = []
+
+        def rounds() -> None:
+            for r in range(5):
+                for t in caches.values():
+                    t[dst] = 0
+                outcome.append(off.store({(r, i): src[i] for i in range(100)}).result())
+                outcome.append(off.load({(r, i): dst[i] for i in range(100)}).result())
+                wrong.extend((r, n) for n in caches if not same_bytes(caches[n][dst], orig[n][src]))
+                off.discard([(r, i) for i in range(100)])
+
+        waiter = threading.Thread(target=rounds)
+        turns, deadline = 0, time.monotonic() + 60
+        waiter.start()
+        while waiter.is_alive() and time.monotonic() < deadline:  # pure Python: the GIL changes hands only when asked
+            turns += 1
+        waiter.join(10)
+        assert not waiter.is_alive() and [o.kind for o in outcome] == ["store", "load"] * 5  # type: ignore[attr-defined]
+        assert turns > 0 and wrong == []
 
 
 @pytest.mark.asyncio

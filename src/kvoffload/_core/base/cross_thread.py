@@ -26,10 +26,11 @@ import asyncio
 import ctypes
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from . import wake_semaphores
 
 __all__ = ["WakeSemaphore", "take_wake_semaphore", "give_back_wake_semaphore", "Mailbox", "mailbox_of", "resolve", "resolve_from_any_thread"]
 
@@ -51,32 +52,10 @@ _DRAINED = ctypes.create_string_buffer(64)
 """Where woken loops read their wake-up bytes, to throw them away (shared: nobody reads it)."""
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _semaphore_calls() -> tuple[Any, Any, int, Any] | None:
-    """libc's ``sem_init``, ``sem_timedwait`` (both releasing the GIL, what a sleeper wants), the
-    address of ``sem_post`` and ``sem_post`` keeping the GIL; None where libc lacks them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        init, timedwait, post = libc.sem_init, libc.sem_timedwait, libc.sem_post
-    except (OSError, AttributeError):
-        return None
-    init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
-    timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
-    address = ctypes.cast(post, ctypes.c_void_p).value or 0
-    return init, timedwait, address, ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(address)
-
-
-_SEMAPHORES = _semaphore_calls()
-_EINTR = 4
-
-
 class WakeSemaphore:
     """A POSIX semaphore that a thread sleeps on (:meth:`sleep`) until it is rung: by :meth:`ring`
     from another thread, or by C code calling :data:`RING_FUNCTION` with :attr:`address`.
-    Making one raises ``OSError`` where libc has no semaphores.
+    Making one raises ``OSError`` where the system has no POSIX semaphores.
 
     Take wake semaphores from the pool (:func:`take_wake_semaphore`): a wake semaphore handed to C code may be rung after its
     sleeper has gone, so its memory must outlive every ring enqueued for it; the pool never frees
@@ -86,31 +65,24 @@ class WakeSemaphore:
 
     __slots__ = ("_sem", "address")
 
-    RING_FUNCTION = _SEMAPHORES[2] if _SEMAPHORES is not None else 0
-    """Address of a C function ``void (*)(void *)`` that rings the semaphore at its argument."""
+    RING_FUNCTION: int = wake_semaphores.RING_FUNCTION
+    """Address of a C function ``void (*)(void *)`` that rings the semaphore at its argument (libc's ``sem_post``)."""
 
     def __init__(self) -> None:
-        if _SEMAPHORES is None:
-            raise OSError("libc has no POSIX semaphores here")
-        self._sem = (ctypes.c_uint64 * 4)()  # sizeof(sem_t) on 64-bit Linux, 8-byte aligned
+        self._sem = (ctypes.c_uint64 * -(-wake_semaphores.SEMAPHORE_BYTES // 8))()  # 8-byte aligned
         self.address: int = ctypes.addressof(self._sem)
-        if _SEMAPHORES[0](self.address, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
+        wake_semaphores.init(self.address)
 
     def ring(self) -> None:
         """Wake the sleeper (the next one, if nobody sleeps now). Keeps the GIL."""
-        assert _SEMAPHORES is not None
-        _SEMAPHORES[3](self.address)
+        wake_semaphores.ring(self.address)
 
-    def sleep(self, timeout: float) -> bool:
-        """Sleep, the GIL released, until rung or ``timeout`` seconds pass; True if rung."""
-        assert _SEMAPHORES is not None
-        deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        while _SEMAPHORES[1](self.address, ctypes.byref(ts)) != 0:
-            if ctypes.get_errno() != _EINTR:
-                return False
-        return True
+    def sleep(self, timeout: float, *, keep_gil: bool = False) -> float | None:
+        """Sleep until rung or ``timeout`` seconds pass: None if not rung, else the seconds the thread
+        then waited to take the GIL back (behind a thread running Python, up to the switch interval).
+        The GIL is released meanwhile, unless ``keep_gil`` (then every other thread's Python waits:
+        only for a short sleep, and the wait is 0.0)."""
+        return wake_semaphores.sleep(self.address, timeout, keep_gil)
 
 
 _idle_wake_semaphores: list[WakeSemaphore] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -235,7 +236,13 @@ class Job:
         here (:meth:`end_if_landed`): behind a thread busy in Python, one take of the GIL where a
         wake-up from the landing watcher costs two in a row. Returns early if the job ends otherwise
         (its end rings the sleepers: a cancel, an error), or where the driver cannot ring this thread
-        (no wake semaphores, a failed device): the landing watcher then ends it (:meth:`want_end`)."""
+        (no wake semaphores, a failed device): the landing watcher then ends it (:meth:`want_end`).
+
+        A job of several chunks rings this thread once its last chunk but one has landed: behind a
+        thread running Python, taking the GIL back waits up to the switch interval, and it waits while
+        the last chunk moves. If the last has still not landed once the GIL is back after such a
+        wait, the thread sleeps on it keeping the GIL, for at most one switch interval (as long as a
+        thread running Python keeps it), rather than wait as long again."""
         events, worker = self.events, self.worker
         if not events or events[-1] is None or worker is None or self.error is not None:
             self.want_end()
@@ -246,9 +253,10 @@ class Job:
             self.want_end()
             return
         last = events[-1]
+        early = events[-2] if len(events) > 1 else None  # several chunks: rung one chunk early, see below
         self.sleepers.append(semaphore)
         try:
-            if not worker.ring_when_landed(last, semaphore):
+            if not worker.ring_when_landed(early if early is not None else last, semaphore):
                 return
             while not self.ended and not self.transfer._cancel_requested:
                 try:
@@ -256,7 +264,20 @@ class Job:
                         break
                 except ForeignCallError:
                     break  # end_if_landed below fails the job
-                semaphore.sleep(RECHECK_ASLEEP_S)
+                took = semaphore.sleep(RECHECK_ASLEEP_S)
+                if early is None or took is None:
+                    continue
+                early = None  # the last chunk moves: a ring for it
+                try:
+                    if completed(last):
+                        break
+                except ForeignCallError:
+                    break
+                if not worker.ring_when_landed(last, semaphore):
+                    return
+                interval = sys.getswitchinterval()
+                if took > interval / 2:  # the GIL came back behind a thread running Python: another take would cost as much
+                    semaphore.sleep(interval, keep_gil=True)  # no longer than that thread keeps it
             self.end_if_landed()
         finally:
             self.sleepers.remove(semaphore)
