@@ -198,39 +198,46 @@ def test_batch_copy_resolved_and_slab_pinned():
         assert int(err) == 0, "host slab is not page-locked"
 
 
-async def store_right_after_kernel_write() -> bool:
-    """A kernel writes a block right before store(); True if the stored bytes are the written ones."""
-    caches = gpu_caches(16)
+async def store_right_after_kernel_write(n: int = 1, chunk_blocks: int | None = None) -> bool:
+    """A kernel writes ``n`` blocks right before store(); True if the stored bytes are the written ones.
+    ``chunk_blocks``: the transfer's chunks (several: full ones on two streams, the last on one)."""
+    caches = gpu_caches(2 * n + 14)
     side = torch.cuda.Stream()
-    async with kvoffload.Offloader(caches, host_blocks=16) as off:
+    chunk = {"chunk_bytes": chunk_blocks * caches_block(caches)} if chunk_blocks else {}
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    src_rows, dst_rows = slice(0, n), slice(n, 2 * n)  # views of the cache (an index list would copy)
+    async with kvoffload.Offloader(caches, host_blocks=n + 14, **chunk) as off:
         with torch.cuda.stream(side):
             torch.cuda._sleep(SLEEP_CYCLES)
             for t in caches.values():
-                t[3].view(torch.uint8).fill_(0xAB)
-            transfer = off.store({"k": 3})  # records an event on `side` (the current stream)
+                t[src_rows].view(torch.uint8).fill_(0xAB)
+            transfer = off.store({("k", i): b for i, b in enumerate(src)})  # waits for `side` (the current stream)
         await transfer
         for t in caches.values():
-            t[5].zero_()
-        await off.load({"k": 5})
+            t[dst_rows].zero_()
+        await off.load({("k", i): b for i, b in enumerate(dst)})
         torch.cuda.synchronize()
-        return all(bool((t[5].view(torch.uint8) == 0xAB).all()) for t in caches.values())
+        return all(bool((t[dst_rows].view(torch.uint8) == 0xAB).all()) for t in caches.values())
 
 
-async def load_right_after_kernel_read() -> bool:
-    """A kernel reads a block right before load() overwrites it; True if it saw the old bytes."""
-    caches = gpu_caches(16)
+async def load_right_after_kernel_read(n: int = 1, chunk_blocks: int | None = None) -> bool:
+    """A kernel reads ``n`` blocks right before load() overwrites them; True if it saw the old bytes."""
+    caches = gpu_caches(2 * n + 14)
     side = torch.cuda.Stream()
-    async with kvoffload.Offloader(caches, host_blocks=16) as off:
-        await off.store({"new": 1})
-        old = {n: t[4].clone() for n, t in caches.items()}
+    chunk = {"chunk_bytes": chunk_blocks * caches_block(caches)} if chunk_blocks else {}
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    src_rows, dst_rows = slice(0, n), slice(n, 2 * n)  # views of the cache (an index list would copy)
+    async with kvoffload.Offloader(caches, host_blocks=n + 14, **chunk) as off:
+        await off.store({("new", i): b for i, b in enumerate(src)})
+        old = {name: t[dst_rows].clone() for name, t in caches.items()}
         with torch.cuda.stream(side):
             torch.cuda._sleep(SLEEP_CYCLES)
-            snapshot = {n: t[4].clone() for n, t in caches.items()}  # reads block 4 after the sleep
-            transfer = off.load({"new": 4})
+            snapshot = {name: t[dst_rows].clone() for name, t in caches.items()}  # reads the blocks after the sleep
+            transfer = off.load({("new", i): b for i, b in enumerate(dst)})
         await transfer
         torch.cuda.synchronize()
-        assert all(same_bytes(caches[n][4], caches[n][1]) for n in caches)
-        return all(same_bytes(snapshot[n], old[n]) for n in caches)
+        assert all(same_bytes(caches[name][dst_rows], caches[name][src_rows]) for name in caches)
+        return all(same_bytes(snapshot[name], old[name]) for name in caches)
 
 
 @pytest.mark.asyncio
@@ -305,24 +312,32 @@ async def test_a_thread_asleep_on_a_later_copy_holds_back_no_earlier_one():
 
 
 
-@pytest.mark.asyncio
-async def test_store_waits_for_callers_stream():
-    assert await store_right_after_kernel_write(), "store read the block before the kernel wrote it"
+SHAPES = [(1, None), (4, None), (20, 8)]
+"""(blocks, chunk blocks): one block, one short chunk, and two full chunks (two streams each) before a short one."""
+SHAPE_IDS = ["one block", "one short chunk", "full chunks then a short one"]
 
 
 @pytest.mark.asyncio
-async def test_load_waits_for_callers_stream():
-    assert await load_right_after_kernel_read(), "load overwrote the block while a kernel still read it"
+@pytest.mark.parametrize("n, chunk_blocks", SHAPES, ids=SHAPE_IDS)
+async def test_store_waits_for_callers_stream(n, chunk_blocks):
+    assert await store_right_after_kernel_write(n, chunk_blocks), "store read the blocks before the kernel wrote them"
 
 
 @pytest.mark.asyncio
-async def test_ordering_tests_fail_without_the_wait(monkeypatch):
+@pytest.mark.parametrize("n, chunk_blocks", SHAPES, ids=SHAPE_IDS)
+async def test_load_waits_for_callers_stream(n, chunk_blocks):
+    assert await load_right_after_kernel_read(n, chunk_blocks), "load overwrote the blocks while a kernel still read them"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("n, chunk_blocks", SHAPES, ids=SHAPE_IDS)
+async def test_ordering_tests_fail_without_the_wait(monkeypatch, n, chunk_blocks):
     """The two tests above can fail: with the wait on the caller's stream removed, both see the race."""
     from kvoffload._core.cuda.cuda_copier import CudaBlockCopier
 
     monkeypatch.setattr(CudaBlockCopier, "wait_for", lambda self, event: None)
-    assert not await store_right_after_kernel_write()
-    assert not await load_right_after_kernel_read()
+    assert not await store_right_after_kernel_write(n, chunk_blocks)
+    assert not await load_right_after_kernel_read(n, chunk_blocks)
 
 
 @pytest.mark.asyncio

@@ -309,7 +309,7 @@ def test_chunk_copies_store_staged_waits_gathers_then_copies_runs_to_host() -> N
     driver = StandInDriver()
     chunks = driver.chunk_copies(table)
     rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
-    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, False) is None
+    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, False, 0) is None
     assert driver.log == [
         ("wait", K, FREE),  # the staging buffer's last use
         ("launch", K, 12, 256, 0, ids, STAGING[1], 1, 777, 3),  # a CTA per piece, gathering, the cancel flag
@@ -325,7 +325,7 @@ def test_chunk_copies_load_staged_copies_runs_then_scatters() -> None:
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, max_ctas=5)
     rows, ids = [3, 4, 0, 1, 2, 9], [10, 11, 4, 5, 6, 0]
-    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0, False) is None  # no last use to wait for
+    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0, False, 0) is None  # no last use to wait for
     assert driver.log == [
         ("copies", C, runs_of(rows, 4096, STAGING[0], False)),
         ("record", BETWEEN, C),
@@ -341,7 +341,7 @@ def test_chunk_copies_on_one_stream_store_gathers_then_copies_on_the_copy_stream
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
-    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, True) is None
+    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, True, 0) is None
     assert driver.log == [
         ("wait", C, FREE),
         ("launch", C, 12, 256, 0, ids, STAGING[1], 1, 777, 3),
@@ -354,7 +354,7 @@ def test_chunk_copies_on_one_stream_load_copies_then_scatters_on_the_kernel_stre
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     rows, ids = [3, 4, 0], [10, 11, 4]
-    assert driver.chunk_copies(table).copy(False, False, 4096, rows, ids, 0, FREE, DONE, 0, 0, True) is None
+    assert driver.chunk_copies(table).copy(False, False, 4096, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
     assert driver.log == [
         ("wait", K, FREE),
         ("copies", K, runs_of(rows, 4096, STAGING[0], False)),
@@ -368,7 +368,7 @@ def test_chunk_copies_direct_on_one_stream_copies_on_the_stream_the_transfer_end
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     ids, rows = [4, 2], [0, 9]
-    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True) is None
+    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, 0) is None
     stream = C if to_host else K
     assert driver.log == [("copies", stream, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3))), ("record", DONE, stream)]
 
@@ -379,7 +379,7 @@ def test_chunk_copies_direct_copies_every_piece_on_the_copy_stream(to_host) -> N
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, kernel=False)
     ids, rows = [4, 2], [0, 9]
-    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, False) is None
+    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, False, 0) is None
     copies = ("copies", C, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3)))
     if to_host:
         assert driver.log == [copies, ("record", DONE, C)]
@@ -387,14 +387,69 @@ def test_chunk_copies_direct_copies_every_piece_on_the_copy_stream(to_host) -> N
         assert driver.log == [copies, ("record", BETWEEN, C), ("wait", K, BETWEEN), ("record", DONE, K)]
 
 
+CALLER = 66  # the caller's current stream
+
+
+@pytest.mark.parametrize("one_stream", [True, False], ids=["one stream", "full chunk"])
+def test_chunk_copies_after_the_callers_stream_wait_for_it_on_the_stream_they_start_on(one_stream) -> None:
+    """A transfer's first chunk waits for the caller's work so far (its own event recorded there) on
+    the one stream it starts on: its other stream follows that one, and later chunks follow both."""
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
+    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 0, 0, one_stream, CALLER) is None
+    first = C if one_stream else K
+    assert driver.log[:3] == [("record", BETWEEN, CALLER), ("wait", first, BETWEEN), ("wait", first, FREE)]
+    assert [c for c in driver.log if c[0] == "wait" and c[2] == BETWEEN and c[1] != first] == ([] if one_stream else [("wait", C, BETWEEN)])
+    assert driver.log[-1] == ("record", DONE, C)
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_chunk_copies_direct_after_the_callers_stream_wait_on_the_stream_they_copy_on(to_host) -> None:
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    ids, rows = [4, 2], [0, 9]
+    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, CALLER) is None
+    stream = C if to_host else K
+    assert driver.log == [("record", BETWEEN, CALLER), ("wait", stream, BETWEEN),
+                          ("copies", stream, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3))), ("record", DONE, stream)]
+
+
+def test_chunk_copies_on_one_stream_wait_for_a_staging_buffer_only_if_its_last_use_ended_elsewhere() -> None:
+    """Stream order already keeps a chunk off a staging buffer that the last chunk through it still
+    uses on the same stream: only a last use that ended on another stream (a store's buffer, then a
+    load's), or one not known to have been enqueued whole (a failed chunk), is waited for."""
+    _tensors, table, _ = cache_and_table()
+    driver = StandInDriver()
+    chunks = driver.chunk_copies(table)
+    free_waits = lambda: [c for c in driver.log if c[0] == "wait" and c[2] == FREE]  # noqa: E731
+    rows, ids = [0, 1], [2, 3]
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, False, 0) is None  # a full store chunk: ends on the copy stream
+    assert free_waits() == [("wait", K, FREE)]
+    driver.log.clear()
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # a short one on the copy stream: no wait
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
+    assert free_waits() == [] and driver.log[-1] == ("record", DONE, C)
+    assert chunks.copy(True, False, 0, rows, ids, 1, FREE, DONE, 0, 0, True, 0) is None  # the other buffer: never used yet, waited for
+    assert free_waits() == [("wait", C, FREE)]
+    driver.log.clear()
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # a load on the kernel stream: waits
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # its last use ended there: none
+    assert free_waits() == [("wait", K, FREE)]
+    driver.log.clear()
+    driver.fail = ("launch", driver._seen.get("launch", 0))  # the next launch fails: that chunk is not whole
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is not None
+    driver.fail = None
+    driver.log.clear()
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
+    assert free_waits() == [("wait", K, FREE)]
+
+
 def test_chunk_copies_wait_makes_both_streams_wait() -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     assert driver.chunk_copies(table).wait(FREE) is None
     assert driver.log == [("wait", K, FREE), ("wait", C, FREE)]
-
-
-CALLER = 66  # the caller's current stream
 
 
 @pytest.mark.parametrize("fail, reported", [(None, None), (("record", 0), (9, "cuEventRecord", 0)), (("wait", 1), (9, "cuStreamWaitEvent", 0))])
@@ -464,7 +519,7 @@ def test_context_status_tells_a_current_context_from_none_and_from_an_error(cont
 def test_chunk_copies_stop_at_the_first_failed_call_and_report_it(fail, reported, calls) -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver(fail=fail)
-    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0, False) == reported
+    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0, False, 0) == reported
     assert len(driver.log) == calls, driver.log
 
 
@@ -473,15 +528,15 @@ def test_chunk_copies_refuse_bad_input_without_calling_the_driver() -> None:
     driver = StandInDriver()
     with_kernel, without = driver.chunk_copies(table), driver.chunk_copies(table, kernel=False)
     with pytest.raises(ValueError, match="staging"):
-        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0, False)  # staged, but no kernel
+        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0, False, 0)  # staged, but no kernel
     with pytest.raises(ValueError, match="staging"):
-        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0, False)  # no staging buffer 2
+        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0, False, 0)  # no staging buffer 2
     with pytest.raises(ValueError, match="done"):
-        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0, False)
+        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="host rows"):
-        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0, False)
+        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0, False, 0)
     with pytest.raises(OverflowError, match="kernel's int"):
-        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0, False)
+        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0, False, 0)
     with pytest.raises(TypeError):
         with_kernel.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0)  # an argument short
     assert driver.log == []

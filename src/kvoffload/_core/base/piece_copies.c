@@ -299,6 +299,7 @@ typedef struct {
     void *between; /* an event recorded and waited for at once, under the caller's lock */
     uint64_t slot_bytes;
     uint64_t staging[2];
+    void *staging_stream[2]; /* the stream each staging buffer's last chunk ended on (NULL: none known) */
     PyObject *pieces_owner;
     Pieces pieces;
     /* the copy kernel (launch == 0: none) and its parameters, written in place */
@@ -485,6 +486,17 @@ static int launch_into(ChunkCopies *self, void *stream, const Ints *ids, Outcome
     return 0;
 }
 
+/* What runs on `stream` from here waits for the work enqueued so far on `caller` (nothing if 0); 1 if a call failed.
+   `between` serves: a wait uses the event's state when it is enqueued, and calls come one at a time. */
+static int caller_into(ChunkCopies *self, uint64_t caller, void *stream, Outcome *o)
+{
+    if (caller == 0) {
+        return 0;
+    }
+    return failed(o, self->record(self->between, (void *)(uintptr_t)caller), CALL_RECORD)
+        || failed(o, self->wait(stream, self->between, 0), CALL_WAIT);
+}
+
 /* What runs on `second` from here waits for what was enqueued on `first` (nothing if they are one); 1 if a call failed. */
 static int cross_into(ChunkCopies *self, void *first, void *second, Outcome *o)
 {
@@ -496,19 +508,22 @@ static int cross_into(ChunkCopies *self, void *first, void *second, Outcome *o)
 
 PyDoc_STRVAR(chunk_copies_copy_doc,
 "copy(to_host, direct, host_base, rows, block_ids, staging, free_event, done_event, cancel_address, generation,\n"
-"     one_stream, /) -> None | (error, call, copy_index)\n\n"
+"     one_stream, caller_stream, /) -> None | (error, call, copy_index)\n\n"
 "Enqueue one chunk's copies between cache blocks ``block_ids`` and host rows ``rows``, and record\n"
 "``done_event`` once they are complete: on the copy stream for a store, the kernel stream for a load.\n"
 "``direct``: one DMA per (block, piece); else through staging buffer ``staging`` (0 or 1; its last\n"
 "use ``free_event`` waited for first, 0: none), gathered or scattered by the copy kernel (reading\n"
 "the cancel flag at ``cancel_address``, 0: none) and moved with one DMA per run of host rows.\n"
 "``one_stream``: every copy of the chunk on the stream its end is recorded on (no event between\n"
-"the two streams: a chunk no later chunk of its transfer overlaps).\n"
+"the two streams: a chunk no later chunk of its transfer overlaps); the staging buffer's last use is\n"
+"then not waited for if it ended on that stream. ``caller_stream`` (a raw CUstream, 0: none): the\n"
+"chunk's first stream first waits for the work enqueued there so far (its other stream follows the\n"
+"first, and so do later chunks of the transfer).\n"
 "Returns None, or what failed: the driver's error code, the call and the index of the copy.");
 
 static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs(nargs, 11, "copy") < 0) {
+    if (check_nargs(nargs, 12, "copy") < 0) {
         return NULL;
     }
     if (self->pieces_owner == NULL) {
@@ -516,12 +531,12 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         return NULL;
     }
     int to_host, direct, one_stream;
-    uint64_t host_base, staging, free_event, done_event, cancel_address, generation;
+    uint64_t host_base, staging, free_event, done_event, cancel_address, generation, caller;
     if ((to_host = PyObject_IsTrue(args[0])) < 0 || (direct = PyObject_IsTrue(args[1])) < 0
         || as_u64(args[2], &host_base, "host_base") < 0 || as_u64(args[5], &staging, "staging") < 0
         || as_u64(args[6], &free_event, "free_event") < 0 || as_u64(args[7], &done_event, "done_event") < 0
         || as_u64(args[8], &cancel_address, "cancel_address") < 0 || as_u64(args[9], &generation, "generation") < 0
-        || (one_stream = PyObject_IsTrue(args[10])) < 0) {
+        || (one_stream = PyObject_IsTrue(args[10])) < 0 || as_u64(args[11], &caller, "caller_stream") < 0) {
         return NULL;
     }
     if (done_event == 0) {
@@ -555,7 +570,7 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         /* cache <-> host slots on the copy stream (one stream: a load's on the kernel stream); a load's
            end is recorded on the kernel stream */
         void *dma = one_stream && !to_host ? k : c;
-        if (!issue_into(&self->copies, dma, &d, &o)) {
+        if (!caller_into(self, caller, dma, &o) && !issue_into(&self->copies, dma, &d, &o)) {
             if (to_host || dma == k) {
                 failed(&o, self->record(done, dma), CALL_RECORD);
             } else if (!failed(&o, self->record(between, c), CALL_RECORD) && !failed(&o, self->wait(k, between, 0), CALL_WAIT)) {
@@ -570,7 +585,10 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         /* a store gathers on the kernel stream, then moves to host on the copy stream; a load the other
            way round; one stream: both on the one its end is recorded on */
         void *second = to_host ? c : k, *first = one_stream ? second : to_host ? k : c;
-        if (free_event != 0 && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT)) {
+        /* the buffer's last use, unless it ended on the stream this chunk starts on (then stream order suffices) */
+        int wait_free = free_event != 0 && !(one_stream && self->staging_stream[staging] == first);
+        self->staging_stream[staging] = NULL; /* unknown until this chunk is enqueued whole */
+        if (caller_into(self, caller, first, &o) || (wait_free && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT))) {
             /* stop */
         } else if (to_host) {
             if (!launch_into(self, first, &ids, &o) && !cross_into(self, first, second, &o) && !issue_into(&self->copies, second, &d, &o)) {
@@ -580,6 +598,9 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
             if (!issue_into(&self->copies, first, &d, &o) && !cross_into(self, first, second, &o) && !launch_into(self, second, &ids, &o)) {
                 failed(&o, self->record(done, second), CALL_RECORD);
             }
+        }
+        if (o.err == 0) {
+            self->staging_stream[staging] = second;
         }
     }
     descriptors_free(&d);

@@ -100,6 +100,8 @@ class CudaBlockCopier:
         self._ring_streams = tuple(torch.cuda.Stream(device=layout.device) for _ in range(3))
         self._ring_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
+        self._after_caller = 0
+        """The caller's stream that :meth:`wait_for` (None) left for the next chunk to wait for (0: none)."""
         self._turn = 0
         self._calls = enqueue_calls()
         self._no_context: Callable[[], int] = functools.partial(context_status, self._calls.addresses["cuCtxGetCurrent"])
@@ -151,14 +153,15 @@ class CudaBlockCopier:
 
     def wait_for(self, event: Any) -> None:
         """Every later copy waits for ``event`` (a :class:`DriverEvent` or a ``torch.cuda.Event``), or, if
-        None, for the work enqueued so far on the calling thread's current stream (an event of the
-        copier's own recorded there and waited for in one C call: callers hold the submit lock)."""
+        None, for the work enqueued so far on the calling thread's current stream. That wait is left to
+        the next copy's call (callers hold the submit lock from here to their copies): a chunk enqueued
+        by :class:`~..base.piece_copies.ChunkCopies` records an event of the copier's own there and has
+        the one stream it starts on wait for it, in the same C call (a small transfer moves on one
+        stream: a driver call fewer than both waiting); any other copy has both streams wait first."""
         if self._no_context():
             self._calls.ensure_context(self._device_index)
         if event is None:
-            failed = self._chunks.wait_for_stream(_current_raw_stream(self._device_index))
-            if failed is not None:
-                self._copies.check(failed)
+            self._after_caller = _current_raw_stream(self._device_index)
             return
         handle = _event_handle(event)
         if not handle:  # a torch event never recorded: nothing to wait for, as torch's own wait
@@ -179,6 +182,19 @@ class CudaBlockCopier:
             failed = enqueue_ring(*calls, handle, WakeSemaphore.RING_FUNCTION, semaphore.address)
         if failed is not None:
             self._copies.check(failed)
+
+    def _take_caller(self) -> int:
+        """The caller's stream a :meth:`wait_for` left for this copy to wait for (0: none), left no more."""
+        caller, self._after_caller = self._after_caller, 0
+        return caller
+
+    def _both_wait_for(self, caller: int) -> None:
+        """Before a copy enqueued other than by ``ChunkCopies.copy``: both streams wait for the work
+        enqueued so far on ``caller`` (0: nothing)."""
+        if caller:
+            failed = self._chunks.wait_for_stream(caller)
+            if failed is not None:
+                self._copies.check(failed)
 
     def _record(self, stream: int) -> DriverEvent:
         return DriverEvent(self._device_index).record(stream)
@@ -205,8 +221,9 @@ class CudaBlockCopier:
         one (a small transfer, or a large one's last chunk) and a direct one on the stream its end is
         recorded on, with no event between the streams: two driver calls fewer."""
         done = DriverEvent(self._device_index)
+        caller = self._take_caller()
         if not self._staging or (len(block_ids) * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]):  # direct
-            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0, True)
+            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0, True, caller)
             if failed is not None:
                 self._copies.check(failed)
             return done
@@ -214,11 +231,12 @@ class CudaBlockCopier:
         self._turn ^= 1
         free = self._staging_free[b]
         if self._kernel is None:
+            self._both_wait_for(caller)
             self._chunk_by_torch(to_host, block_ids, host, rows, b, free, done)
         else:
             failed = self._chunks.copy(  # a chunk short of full is its transfer's last (or only): on one stream
                 to_host, False, host.data_ptr(), rows, block_ids, b, free.handle if free is not None else 0, done.handle, *self._cancel,
-                len(block_ids) < self.chunk_blocks,
+                len(block_ids) < self.chunk_blocks, caller,
             )
             if failed is not None:
                 self._copies.check(failed)
@@ -273,6 +291,7 @@ class CudaBlockCopier:
         if self._no_context():
             self._calls.ensure_context(self._device_index)
         if self._loads_by_sm:
+            self._both_wait_for(self._take_caller())
             self._scatter_from_host(host, rows, block_ids).launch(self._kstream, range(len(self._pieces)))
             return self._record(self._kstream)
         return self._chunk(False, block_ids, host, rows)
@@ -287,6 +306,7 @@ class CudaBlockCopier:
         about a microsecond per piece to enqueue, so later tensors wait on the enqueueing)."""
         if self._no_context():
             self._calls.ensure_context(self._device_index)
+        self._both_wait_for(self._take_caller())
         if self._kernel is not None:
             return self._scatter_by_tensor(host, rows, block_ids)
         events: list[DriverEvent] = []
