@@ -265,8 +265,8 @@ class Job:
                 except ForeignCallError:
                     break  # end_if_landed below fails the job
                 took = semaphore.sleep(RECHECK_ASLEEP_S)
-                if early is None or took is None:
-                    continue
+                if early is None or took is None or self.ended or self.transfer._cancel_requested:
+                    continue  # (the loop's test leaves on an end or a cancel)
                 early = None  # the last chunk moves: a ring for it
                 try:
                     if completed(last):
