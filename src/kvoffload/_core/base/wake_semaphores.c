@@ -116,6 +116,9 @@ static PyObject *sleep_on(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline); /* sem_timedwait's clock */
+    if (timeout > 1e9) {
+        timeout = 1e9; /* about 30 years: no overflow below */
+    }
     if (timeout > 0) {
         double whole = (double)(long long)timeout;
         deadline.tv_sec += (time_t)whole;
