@@ -7,7 +7,9 @@ Driven on the CPU by a stand-in copier whose copy events the test completes by h
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import time
 
 import pytest
 
@@ -489,6 +491,56 @@ def test_a_thread_asleep_on_several_copies_is_rung_a_copy_early_then_for_the_las
         rig.look()
         rig.dropped(steps)
         assert len(steps.ends) == 1
+    finally:
+        rig.close()
+
+
+class RecordedSleeps(WakeSemaphore):
+    """A sleeper's wake semaphore that records each sleep: (keep_gil, what it returned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[tuple[bool, float | None]] = []
+
+    def sleep(self, timeout: float, *, keep_gil: bool = False) -> float | None:
+        took = super().sleep(timeout, keep_gil=keep_gil)
+        self.sleeps.append((keep_gil, took))
+        return took
+
+
+def test_a_sleeper_that_took_the_gil_back_behind_python_sleeps_on_the_last_copy_keeping_it(monkeypatch):
+    """Rung a copy early while this thread runs Python without a pause, the sleeper waits a switch
+    interval for the GIL; the last copy has not landed, so it sleeps on its ring keeping the GIL (no
+    longer than a switch interval: nobody could ring it meanwhile here), then sleeps as before and
+    ends the job itself once the last copy lands."""
+    fresh_wake_semaphores(monkeypatch)
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    made: list[RecordedSleeps] = []
+    monkeypatch.setattr(job_module, "take_wake_semaphore", lambda: made.append(RecordedSleeps()) or made[-1])
+    monkeypatch.setattr(job_module, "give_back_wake_semaphore", lambda semaphore: None)
+    copier = WaiterRingsOnlyCopier(StandInFlag(raise_lands_at_once=True))  # the watcher, never rung, takes no GIL meanwhile
+    rig = _Rig(copier)
+    interval = sys.getswitchinterval()
+    try:
+        copier.watcher_semaphore = rig.watcher._semaphore
+        transfer, steps, events = rig.start(3)
+        waiter, outcome = wait_in_thread(transfer)
+        spin_until(lambda: bool(made and made[0].sleeps == [] and events[1].alarmed.is_set()), what="the waiter's early ring")
+        events[0].complete()
+        events[1].complete()  # rings the sleeper; this thread keeps the GIL and runs on
+        deadline = time.monotonic() + HANG_S
+        while not any(keep for keep, _ in made[0].sleeps) and time.monotonic() < deadline:
+            pass  # pure Python: the sleeper gets the GIL only once this thread is made to drop it
+        held = [(keep, took) for keep, took in made[0].sleeps if keep]
+        assert held == [(True, None)], f"the sleeper did not sleep on the last copy keeping the GIL: {made[0].sleeps[:3]}"
+        took_early = made[0].sleeps[0][1]
+        assert took_early is not None and took_early > interval / 10
+        assert not steps.finished.is_set()
+        events[2].complete()
+        waiter.join(HANG_S)
+        assert not waiter.is_alive() and len(outcome) == 1 and outcome[0].kind == "store"
+        assert steps.end_threads == ["blocked-waiter"] and steps.cleanups == 1
     finally:
         rig.close()
 

@@ -241,8 +241,9 @@ class Job:
         A job of several chunks rings this thread once its last chunk but one has landed: behind a
         thread running Python, taking the GIL back waits up to the switch interval, and it waits while
         the last chunk moves. If the last has still not landed once the GIL is back after such a
-        wait, the thread sleeps on it keeping the GIL, for at most one switch interval (as long as a
-        thread running Python keeps it), rather than wait as long again."""
+        wait (more than a tenth of the switch interval: a thread running Python had it; taken at once,
+        it takes microseconds), the thread sleeps on it keeping the GIL, for at most one switch
+        interval (as long as a thread running Python keeps it), rather than wait as long again."""
         events, worker = self.events, self.worker
         if not events or events[-1] is None or worker is None or self.error is not None:
             self.want_end()
@@ -276,7 +277,7 @@ class Job:
                 if not worker.ring_when_landed(last, semaphore):
                     return
                 interval = sys.getswitchinterval()
-                if took > interval / 2:  # the GIL came back behind a thread running Python: another take would cost as much
+                if took > interval / 10:  # the GIL came back behind a thread running Python: another take would cost as much
                     semaphore.sleep(interval, keep_gil=True)  # no longer than that thread keeps it
             self.end_if_landed()
         finally:
