@@ -49,6 +49,9 @@ own is on its way)."""
 
 RECHECK_ASLEEP_S = 0.1
 """A thread asleep until a job's copies land looks again this often, should a ring never come."""
+GIL_TAKEN_AT_ONCE_S = 20e-6
+"""A woken thread that waited longer than this to take the GIL back found it held: a free GIL is
+taken in about a microsecond, one held by a thread running Python up to the switch interval later."""
 
 
 class Job:
@@ -241,9 +244,10 @@ class Job:
         A job of several chunks rings this thread once its last chunk but one has landed: behind a
         thread running Python, taking the GIL back waits up to the switch interval, and it waits while
         the last chunk moves. If the last has still not landed once the GIL is back after such a
-        wait (more than a tenth of the switch interval: a thread running Python had it; taken at once,
-        it takes microseconds), the thread sleeps on it keeping the GIL, for at most one switch
-        interval (as long as a thread running Python keeps it), rather than wait as long again."""
+        wait (any wait: :data:`GIL_TAKEN_AT_ONCE_S`; even right after another thread's turn, the thread
+        running Python takes the GIL back before the last copy lands), the thread sleeps on it keeping
+        the GIL, for at most one switch interval (as long as a thread running Python keeps it), rather
+        than wait up to as long again."""
         events, worker = self.events, self.worker
         if not events or events[-1] is None or worker is None or self.error is not None:
             self.want_end()
@@ -277,7 +281,7 @@ class Job:
                 if not worker.ring_when_landed(last, semaphore):
                     return
                 interval = sys.getswitchinterval()
-                if took > interval / 10:  # the GIL came back behind a thread running Python: another take would cost as much
+                if took > GIL_TAKEN_AT_ONCE_S:  # the GIL came back behind a thread running Python: another take would cost as much
                     semaphore.sleep(interval, keep_gil=True)  # no longer than that thread keeps it
             self.end_if_landed()
         finally:
