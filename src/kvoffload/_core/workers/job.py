@@ -243,11 +243,11 @@ class Job:
 
         A job of several chunks rings this thread once its last chunk but one has landed: behind a
         thread running Python, taking the GIL back waits up to the switch interval, and it waits while
-        the last chunk moves. If the last has still not landed once the GIL is back after such a
-        wait (any wait: :data:`GIL_TAKEN_AT_ONCE_S`; even right after another thread's turn, the thread
-        running Python takes the GIL back before the last copy lands), the thread sleeps on it keeping
-        the GIL, for at most one switch interval (as long as a thread running Python keeps it), rather
-        than wait up to as long again."""
+        the last chunk moves. If taking the GIL back waited at all (longer than
+        :data:`GIL_TAKEN_AT_ONCE_S`: a thread running Python holds it, and would take it again before
+        the last copy lands) and the last has not landed yet, the thread sleeps on it keeping the GIL,
+        for at most one switch interval (as long as a thread running Python keeps it), rather than
+        wait up to as long again."""
         events, worker = self.events, self.worker
         if not events or events[-1] is None or worker is None or self.error is not None:
             self.want_end()
@@ -280,9 +280,8 @@ class Job:
                     break
                 if not worker.ring_when_landed(last, semaphore):
                     return
-                interval = sys.getswitchinterval()
                 if took > GIL_TAKEN_AT_ONCE_S:  # the GIL came back behind a thread running Python: another take would cost as much
-                    semaphore.sleep(interval, keep_gil=True)  # no longer than that thread keeps it
+                    semaphore.sleep(sys.getswitchinterval(), keep_gil=True)  # no longer than that thread keeps it
             self.end_if_landed()
         finally:
             self.sleepers.remove(semaphore)
