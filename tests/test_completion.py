@@ -147,6 +147,12 @@ def fresh_wake_semaphores(monkeypatch) -> None:
     monkeypatch.setattr(landings_module, "take_wake_semaphore", WakeSemaphore)
 
 
+def no_watcher_rechecks(monkeypatch) -> None:
+    """Watchers made from now on look again only when rung (their rechecks a minute apart)."""
+    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
+    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+
+
 @pytest.fixture
 def rig(monkeypatch):
     fresh_wake_semaphores(monkeypatch)
@@ -160,8 +166,7 @@ def quiet_rig(monkeypatch):
     """A rig whose landing watcher looks only when the test rings it (:meth:`_Rig.look`): the driver
     holds its rings back and the watcher's rechecks are a minute apart."""
     fresh_wake_semaphores(monkeypatch)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     r = _Rig(HeldRingsCopier(StandInFlag(raise_lands_at_once=True)))
     yield r
     r.close()
@@ -371,8 +376,7 @@ def test_a_thread_blocked_in_result_is_rung_by_the_driver_and_ends_the_transfer_
     (the watcher's, then the waiter's): a thread blocked in result() without a timeout has the driver
     ring it once the last copy landed, and ends the transfer itself (its landings reported once)."""
     fresh_wake_semaphores(monkeypatch)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     copier = WaiterRingsOnlyCopier(StandInFlag(raise_lands_at_once=True))
     rig = _Rig(copier)
     try:
@@ -431,8 +435,7 @@ def test_the_watcher_leaves_the_last_copy_of_a_job_to_the_thread_asleep_on_it(mo
     the last (a store publishes them as they land) and asks no ring for the last one; the sleeper,
     rung by the driver, ends the job alone."""
     monkeypatch.setattr(landings_module, "take_wake_semaphore", CountedSleeps)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
     rig = _Rig(copier)
     watcher_semaphore = rig.watcher._semaphore
@@ -466,8 +469,7 @@ def test_a_thread_asleep_on_several_copies_is_rung_a_copy_early_then_for_the_las
     (it takes the GIL back while the last moves), asks a ring for the last only then, and ends the
     job itself once that landed."""
     fresh_wake_semaphores(monkeypatch)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
     rig = _Rig(copier)
     watcher_semaphore = rig.watcher._semaphore
@@ -513,8 +515,7 @@ def test_a_sleeper_that_took_the_gil_back_behind_python_sleeps_on_the_last_copy_
     longer than a switch interval: nobody could ring it meanwhile here), then sleeps as before and
     ends the job itself once the last copy lands."""
     fresh_wake_semaphores(monkeypatch)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     made: list[RecordedSleeps] = []
     monkeypatch.setattr(job_module, "take_wake_semaphore", lambda: made.append(RecordedSleeps()) or made[-1])
     monkeypatch.setattr(job_module, "give_back_wake_semaphore", lambda semaphore: None)
@@ -548,8 +549,7 @@ def test_a_job_left_by_its_sleeper_before_its_end_is_taken_back_by_the_watcher(m
     before the end (a cancel here, of a job without a cancel flag: nothing else rings the watcher),
     the watcher takes the job back and ends it once its copies landed."""
     monkeypatch.setattr(landings_module, "take_wake_semaphore", CountedSleeps)
-    monkeypatch.setattr(LandingWatcher, "RECHECK_S", 60.0)
-    monkeypatch.setattr(LandingWatcher, "IDLE_RECHECK_S", 60.0)
+    no_watcher_rechecks(monkeypatch)
     copier = RecordedRings(StandInFlag(raise_lands_at_once=True))
     copier.take_cancel_flag = lambda: None  # as without the copy kernel
     rig = _Rig(copier)
