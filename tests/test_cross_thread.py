@@ -115,8 +115,30 @@ def test_a_thread_woken_behind_a_thread_running_python_learns_how_long_the_gil_t
 
 
 def test_wake_semaphores_go_back_to_the_pool_not_away():
-    """An semaphore handed to the driver may be rung after its sleeper left: the pool keeps it alive."""
+    """A semaphore handed to the driver may be rung after its sleeper left: the pool keeps it alive."""
     semaphore = take_wake_semaphore()
     give_back_wake_semaphore(semaphore)
     assert take_wake_semaphore() is semaphore
     give_back_wake_semaphore(semaphore)
+
+
+def test_a_wake_semaphore_taken_from_the_pool_has_no_ring_left_from_its_last_use():
+    """Rings that came after a sleeper left (a ring for a copy it found landed, its job's end) would
+    wake the next sleeper at once, which behind a thread running Python then waits up to a switch
+    interval for the GIL: taking the semaphore again throws them away."""
+    semaphore = take_wake_semaphore()
+    semaphore.ring()
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(WakeSemaphore.RING_FUNCTION)(semaphore.address)  # as the driver rings
+    give_back_wake_semaphore(semaphore)
+    again = take_wake_semaphore()
+    try:
+        assert again is semaphore
+        assert again.sleep(0.01) is None
+        again.ring()
+        assert again.sleep(10) is not None  # a ring after the take is kept
+        assert again.drain() == 0
+        again.ring()
+        again.ring()
+        assert again.drain() == 2
+    finally:
+        give_back_wake_semaphore(again)

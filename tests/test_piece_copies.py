@@ -309,7 +309,7 @@ def test_chunk_copies_store_staged_waits_gathers_then_copies_runs_to_host() -> N
     driver = StandInDriver()
     chunks = driver.chunk_copies(table)
     rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
-    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, False, 0) is None
+    assert chunks.copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, False, None) is None
     assert driver.log == [
         ("wait", K, FREE),  # the staging buffer's last use
         ("launch", K, 12, 256, 0, ids, STAGING[1], 1, 777, 3),  # a CTA per piece, gathering, the cancel flag
@@ -325,7 +325,7 @@ def test_chunk_copies_load_staged_copies_runs_then_scatters() -> None:
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, max_ctas=5)
     rows, ids = [3, 4, 0, 1, 2, 9], [10, 11, 4, 5, 6, 0]
-    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0, False, 0) is None  # no last use to wait for
+    assert chunks.copy(False, False, 4096, rows, ids, 0, 0, DONE, 0, 0, False, None) is None  # no last use to wait for
     assert driver.log == [
         ("copies", C, runs_of(rows, 4096, STAGING[0], False)),
         ("record", BETWEEN, C),
@@ -341,7 +341,7 @@ def test_chunk_copies_on_one_stream_store_gathers_then_copies_on_the_copy_stream
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     rows, ids = [7, 8, 9, 2], [5, 1, 9, 3]
-    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, True, 0) is None
+    assert driver.chunk_copies(table).copy(True, False, 1 << 30, rows, ids, 1, FREE, DONE, 777, 3, True, None) is None
     assert driver.log == [
         ("wait", C, FREE),
         ("launch", C, 12, 256, 0, ids, STAGING[1], 1, 777, 3),
@@ -354,7 +354,7 @@ def test_chunk_copies_on_one_stream_load_copies_then_scatters_on_the_kernel_stre
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     rows, ids = [3, 4, 0], [10, 11, 4]
-    assert driver.chunk_copies(table).copy(False, False, 4096, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
+    assert driver.chunk_copies(table).copy(False, False, 4096, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None
     assert driver.log == [
         ("wait", K, FREE),
         ("copies", K, runs_of(rows, 4096, STAGING[0], False)),
@@ -368,7 +368,7 @@ def test_chunk_copies_direct_on_one_stream_copies_on_the_stream_the_transfer_end
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     ids, rows = [4, 2], [0, 9]
-    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, 0) is None
+    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, None) is None
     stream = C if to_host else K
     assert driver.log == [("copies", stream, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3))), ("record", DONE, stream)]
 
@@ -379,7 +379,7 @@ def test_chunk_copies_direct_copies_every_piece_on_the_copy_stream(to_host) -> N
     driver = StandInDriver()
     chunks = driver.chunk_copies(table, kernel=False)
     ids, rows = [4, 2], [0, 9]
-    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, False, 0) is None
+    assert chunks.copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, False, None) is None
     copies = ("copies", C, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3)))
     if to_host:
         assert driver.log == [copies, ("record", DONE, C)]
@@ -404,14 +404,17 @@ def test_chunk_copies_after_the_callers_stream_wait_for_it_on_the_stream_they_st
     assert driver.log[-1] == ("record", DONE, C)
 
 
+@pytest.mark.parametrize("caller", [CALLER, 0], ids=["a stream", "the legacy default stream"])
 @pytest.mark.parametrize("to_host", [True, False])
-def test_chunk_copies_direct_after_the_callers_stream_wait_on_the_stream_they_copy_on(to_host) -> None:
+def test_chunk_copies_direct_after_the_callers_stream_wait_on_the_stream_they_copy_on(to_host, caller) -> None:
+    """The legacy default stream, torch's usual current stream, is handle 0: waited for like any
+    other (None means no caller's stream)."""
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver()
     ids, rows = [4, 2], [0, 9]
-    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, CALLER) is None
+    assert driver.chunk_copies(table, kernel=False).copy(to_host, True, 1 << 20, rows, ids, 0, 0, DONE, 0, 0, True, caller) is None
     stream = C if to_host else K
-    assert driver.log == [("record", BETWEEN, CALLER), ("wait", stream, BETWEEN),
+    assert driver.log == [("record", BETWEEN, caller or None), ("wait", stream, BETWEEN),  # (ctypes passes a NULL handle as None)
                           ("copies", stream, expected_pieces(table, 1 << 20, ids, rows, to_host, range(3))), ("record", DONE, stream)]
 
 
@@ -424,24 +427,24 @@ def test_chunk_copies_on_one_stream_wait_for_a_staging_buffer_only_if_its_last_u
     chunks = driver.chunk_copies(table)
     free_waits = lambda: [c for c in driver.log if c[0] == "wait" and c[2] == FREE]  # noqa: E731
     rows, ids = [0, 1], [2, 3]
-    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, False, 0) is None  # a full store chunk: ends on the copy stream
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, False, None) is None  # a full store chunk: ends on the copy stream
     assert free_waits() == [("wait", K, FREE)]
     driver.log.clear()
-    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # a short one on the copy stream: no wait
-    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None  # a short one on the copy stream: no wait
+    assert chunks.copy(True, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None
     assert free_waits() == [] and driver.log[-1] == ("record", DONE, C)
-    assert chunks.copy(True, False, 0, rows, ids, 1, FREE, DONE, 0, 0, True, 0) is None  # the other buffer: never used yet, waited for
+    assert chunks.copy(True, False, 0, rows, ids, 1, FREE, DONE, 0, 0, True, None) is None  # the other buffer: never used yet, waited for
     assert free_waits() == [("wait", C, FREE)]
     driver.log.clear()
-    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # a load on the kernel stream: waits
-    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None  # its last use ended there: none
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None  # a load on the kernel stream: waits
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None  # its last use ended there: none
     assert free_waits() == [("wait", K, FREE)]
     driver.log.clear()
     driver.fail = ("launch", driver._seen.get("launch", 0))  # the next launch fails: that chunk is not whole
-    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is not None
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is not None
     driver.fail = None
     driver.log.clear()
-    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, 0) is None
+    assert chunks.copy(False, False, 0, rows, ids, 0, FREE, DONE, 0, 0, True, None) is None
     assert free_waits() == [("wait", K, FREE)]
 
 
@@ -519,7 +522,7 @@ def test_context_status_tells_a_current_context_from_none_and_from_an_error(cont
 def test_chunk_copies_stop_at_the_first_failed_call_and_report_it(fail, reported, calls) -> None:
     _tensors, table, _ = cache_and_table()
     driver = StandInDriver(fail=fail)
-    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0, False, 0) == reported
+    assert driver.chunk_copies(table).copy(True, False, 0, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 0, FREE, DONE, 0, 0, False, None) == reported
     assert len(driver.log) == calls, driver.log
 
 
@@ -528,15 +531,15 @@ def test_chunk_copies_refuse_bad_input_without_calling_the_driver() -> None:
     driver = StandInDriver()
     with_kernel, without = driver.chunk_copies(table), driver.chunk_copies(table, kernel=False)
     with pytest.raises(ValueError, match="staging"):
-        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0, False, 0)  # staged, but no kernel
+        without.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0, False, None)  # staged, but no kernel
     with pytest.raises(ValueError, match="staging"):
-        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0, False, 0)  # no staging buffer 2
+        with_kernel.copy(True, False, 0, [0], [0], 2, 0, DONE, 0, 0, False, None)  # no staging buffer 2
     with pytest.raises(ValueError, match="done"):
-        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0, False, 0)
+        with_kernel.copy(True, True, 0, [0], [0], 0, 0, 0, 0, 0, False, None)
     with pytest.raises(ValueError, match="host rows"):
-        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0, False, 0)
+        with_kernel.copy(True, True, 0, [0, 1], [0], 0, 0, DONE, 0, 0, False, None)
     with pytest.raises(OverflowError, match="kernel's int"):
-        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0, False, 0)
+        with_kernel.copy(True, False, 0, [0, 1], [0, 2**31], 0, 0, DONE, 0, 0, False, None)
     with pytest.raises(TypeError):
         with_kernel.copy(True, False, 0, [0], [0], 0, 0, DONE, 0, 0)  # an argument short
     assert driver.log == []

@@ -59,8 +59,12 @@ class WakeSemaphore:
 
     Take wake semaphores from the pool (:func:`take_wake_semaphore`): a wake semaphore handed to C code may be rung after its
     sleeper has gone, so its memory must outlive every ring enqueued for it; the pool never frees
-    one. A ring meant for an earlier sleeper may wake a later one early: sleepers re-check what
-    they wait for.
+    one. Rings that came after its last sleeper left (a ring for a copy it found landed without
+    sleeping, its job's end ringing every sleeper) are thrown away when it is taken again: each
+    would wake the next sleeper at once, and a thread woken behind a thread running Python waits up
+    to a switch interval for the GIL. A ring still on its way then (for a copy that had not landed
+    when its sleeper left: a cancel) may wake a later sleeper early: sleepers re-check what they
+    wait for.
     """
 
     __slots__ = ("_sem", "address")
@@ -77,6 +81,10 @@ class WakeSemaphore:
         """Wake the sleeper (the next one, if nobody sleeps now). Keeps the GIL."""
         wake_semaphores.ring(self.address)
 
+    def drain(self) -> int:
+        """Take back the rings nobody slept through (how many), without sleeping. Keeps the GIL."""
+        return wake_semaphores.drain(self.address)
+
     def sleep(self, timeout: float, *, keep_gil: bool = False) -> float | None:
         """Sleep until rung or ``timeout`` seconds pass: None if not rung, else the seconds the thread
         then waited to take the GIL back (behind a thread running Python, up to the switch interval).
@@ -91,18 +99,21 @@ _wake_semaphores_lock = threading.Lock()
 
 
 def take_wake_semaphore() -> WakeSemaphore:
-    """A wake semaphore from the process's pool (a new one when every semaphore is taken); ``OSError`` where
-    wake semaphores cannot be made."""
+    """A wake semaphore from the process's pool (a new one when every semaphore is taken), with no
+    ring left from its earlier use; ``OSError`` where wake semaphores cannot be made."""
     with _wake_semaphores_lock:
         if _idle_wake_semaphores:
-            return _idle_wake_semaphores.pop()
+            semaphore = _idle_wake_semaphores.pop()
+            semaphore.drain()
+            return semaphore
         semaphore = WakeSemaphore()
         _every_wake_semaphore.append(semaphore)
         return semaphore
 
 
 def give_back_wake_semaphore(semaphore: WakeSemaphore) -> None:
-    """Return ``semaphore`` to the pool (rings still on their way only wake a later sleeper early)."""
+    """Return ``semaphore`` to the pool (its rings that came meanwhile are thrown away when it is
+    taken; one still on its way then only wakes a later sleeper early)."""
     with _wake_semaphores_lock:
         _idle_wake_semaphores.append(semaphore)
 

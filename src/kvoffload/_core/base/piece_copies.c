@@ -486,11 +486,12 @@ static int launch_into(ChunkCopies *self, void *stream, const Ints *ids, Outcome
     return 0;
 }
 
-/* What runs on `stream` from here waits for the work enqueued so far on `caller` (nothing if 0); 1 if a call failed.
+/* What runs on `stream` from here waits for the work enqueued so far on `caller` (nothing unless
+   `has_caller`: 0 is a stream, the legacy default one); 1 if a call failed.
    `between` serves: a wait uses the event's state when it is enqueued, and calls come one at a time. */
-static int caller_into(ChunkCopies *self, uint64_t caller, void *stream, Outcome *o)
+static int caller_into(ChunkCopies *self, int has_caller, uint64_t caller, void *stream, Outcome *o)
 {
-    if (caller == 0) {
+    if (!has_caller) {
         return 0;
     }
     return failed(o, self->record(self->between, (void *)(uintptr_t)caller), CALL_RECORD)
@@ -516,7 +517,8 @@ PyDoc_STRVAR(chunk_copies_copy_doc,
 "the cancel flag at ``cancel_address``, 0: none) and moved with one DMA per run of host rows.\n"
 "``one_stream``: every copy of the chunk on the stream its end is recorded on (no event between\n"
 "the two streams: a chunk no later chunk of its transfer overlaps); the staging buffer's last use is\n"
-"then not waited for if it ended on that stream. ``caller_stream`` (a raw CUstream, 0: none): the\n"
+"then not waited for if it ended on that stream. ``caller_stream`` (a raw CUstream, 0 the legacy\n"
+"default stream; None: none): the\n"
 "chunk's first stream first waits for the work enqueued there so far (its other stream follows the\n"
 "first, and so do later chunks of the transfer).\n"
 "Returns None, or what failed: the driver's error code, the call and the index of the copy.");
@@ -531,12 +533,13 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         return NULL;
     }
     int to_host, direct, one_stream;
-    uint64_t host_base, staging, free_event, done_event, cancel_address, generation, caller;
+    uint64_t host_base, staging, free_event, done_event, cancel_address, generation, caller = 0;
+    int has_caller = args[11] != Py_None;
     if ((to_host = PyObject_IsTrue(args[0])) < 0 || (direct = PyObject_IsTrue(args[1])) < 0
         || as_u64(args[2], &host_base, "host_base") < 0 || as_u64(args[5], &staging, "staging") < 0
         || as_u64(args[6], &free_event, "free_event") < 0 || as_u64(args[7], &done_event, "done_event") < 0
         || as_u64(args[8], &cancel_address, "cancel_address") < 0 || as_u64(args[9], &generation, "generation") < 0
-        || (one_stream = PyObject_IsTrue(args[10])) < 0 || as_u64(args[11], &caller, "caller_stream") < 0) {
+        || (one_stream = PyObject_IsTrue(args[10])) < 0 || (has_caller && as_u64(args[11], &caller, "caller_stream") < 0)) {
         return NULL;
     }
     if (done_event == 0) {
@@ -570,7 +573,7 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         /* cache <-> host slots on the copy stream (one stream: a load's on the kernel stream); a load's
            end is recorded on the kernel stream */
         void *dma = one_stream && !to_host ? k : c;
-        if (!caller_into(self, caller, dma, &o) && !issue_into(&self->copies, dma, &d, &o)) {
+        if (!caller_into(self, has_caller, caller, dma, &o) && !issue_into(&self->copies, dma, &d, &o)) {
             if (to_host || dma == k) {
                 failed(&o, self->record(done, dma), CALL_RECORD);
             } else if (!failed(&o, self->record(between, c), CALL_RECORD) && !failed(&o, self->wait(k, between, 0), CALL_WAIT)) {
@@ -588,7 +591,7 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         /* the buffer's last use, unless it ended on the stream this chunk starts on (then stream order suffices) */
         int wait_free = free_event != 0 && !(one_stream && self->staging_stream[staging] == first);
         self->staging_stream[staging] = NULL; /* unknown until this chunk is enqueued whole */
-        if (caller_into(self, caller, first, &o) || (wait_free && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT))) {
+        if (caller_into(self, has_caller, caller, first, &o) || (wait_free && failed(&o, self->wait(first, (void *)(uintptr_t)free_event, 0), CALL_WAIT))) {
             /* stop */
         } else if (to_host) {
             if (!launch_into(self, first, &ids, &o) && !cross_into(self, first, second, &o) && !issue_into(&self->copies, second, &d, &o)) {

@@ -90,6 +90,26 @@ static PyObject *ring(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(drain_doc, "drain(address, /) -> int\n\n"
+"Take back every ring the semaphore has had and no sleeper took (how many), without sleeping; keeps the GIL.");
+
+static PyObject *drain(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    sem_t *sem;
+    if (address_of(arg, &sem) < 0) {
+        return NULL;
+    }
+    long n = 0;
+    while (sem_trywait(sem) == 0) {
+        n++;
+    }
+    if (errno != EAGAIN && errno != EINTR) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(n);
+}
+
 PyDoc_STRVAR(sleep_doc, "sleep(address, timeout, keep_gil, /) -> float | None\n\n"
 "Sleep until the semaphore is rung or ``timeout`` seconds pass: None if not rung, else the seconds "
 "the thread then waited to take the GIL back. ``keep_gil``: sleep holding the GIL (every other "
@@ -148,6 +168,7 @@ static PyObject *sleep_on(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyMethodDef methods[] = {
     {"init", init, METH_O, init_doc},
     {"ring", ring, METH_O, ring_doc},
+    {"drain", drain, METH_O, drain_doc},
     {"sleep", (PyCFunction)(void (*)(void))sleep_on, METH_FASTCALL, sleep_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -100,7 +100,7 @@ class CudaBlockCopier:
         self._ring_streams = tuple(torch.cuda.Stream(device=layout.device) for _ in range(3))
         self._ring_lock = threading.Lock()
         self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
-        self._after_caller = 0
+        self._after_caller: int | None = None
         """The caller's stream that :meth:`wait_for` (None) left for the next chunk to wait for (0: none)."""
         self._turn = 0
         self._calls = enqueue_calls()
@@ -183,15 +183,16 @@ class CudaBlockCopier:
         if failed is not None:
             self._copies.check(failed)
 
-    def _take_caller(self) -> int:
-        """The caller's stream a :meth:`wait_for` left for this copy to wait for (0: none), left no more."""
-        caller, self._after_caller = self._after_caller, 0
+    def _take_caller(self) -> int | None:
+        """The caller's stream a :meth:`wait_for` left for this copy to wait for (None: none; 0 is the
+        legacy default stream, torch's usual current stream), left no more."""
+        caller, self._after_caller = self._after_caller, None
         return caller
 
-    def _both_wait_for(self, caller: int) -> None:
+    def _both_wait_for(self, caller: int | None) -> None:
         """Before a copy enqueued other than by ``ChunkCopies.copy``: both streams wait for the work
-        enqueued so far on ``caller`` (0: nothing)."""
-        if caller:
+        enqueued so far on ``caller`` (None: nothing)."""
+        if caller is not None:
             failed = self._chunks.wait_for_stream(caller)
             if failed is not None:
                 self._copies.check(failed)
