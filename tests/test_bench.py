@@ -47,6 +47,12 @@ def test_bench_command_small(tmp_path):
     for name in ("engine step, 3 ms of Python", "engine step, 10 ms of Python", "Python loop beside 5,000 one-block stores/s",
                  "Python loop beside one-block stores, unpaced"):
         assert rows[name]["ceiling"] > 0 and rows[name]["baseline"] > 0, name
+    # at equal work (shown where the baseline fell behind its pace): kvoffload paced at the rate the baseline completed
+    paced = data["extra"]["app_thread_paced"]
+    if paced["baseline_stores_per_s"] < 0.9 * 5000:
+        equal = data["extra"]["app_thread_equal_work"]
+        assert equal["paced_at_per_s"] == max(paced["baseline_stores_per_s"], 1.0)
+        assert rows["Python loop beside one-block stores, equal work"]["ceiling"] > 0
     # where the engine step's time goes, per variant: the system's calls, its waits, the step's own Python
     parts = data["extra"]["engine_loop"]["3ms"]
     # (the step's Python is a fixed number of turns calibrated once: its time follows the machine's drift, so no
