@@ -168,8 +168,7 @@ def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: Modul
                     alone_eq, by_eq = in_rounds({"kvoffload": lambda: paced_stores(kvoffload_stores, equal)})
                     kvo_eq, kvo_eq_stores = by_eq["kvoffload"]
                     rep.extra["app_thread_equal_work"] = {"loop_alone_its": alone_eq, "loop_beside_kvoffload_its": kvo_eq,
-                                                          "kvoffload_stores_per_s": kvo_eq_stores, "paced_at_per_s": equal,
-                                                          "loop_beside_baseline_its": b_loop, "baseline_alone_its": alone}
+                                                          "kvoffload_stores_per_s": kvo_eq_stores, "paced_at_per_s": equal}
                     rep.row("Python loop beside one-block stores, equal work", "it/s", kvo_eq, alone_eq,
                             b_loop * alone_eq / alone,
                             note=f"ceiling = the loop alone; kvoffload paced at the {equal:,.0f} stores/s the baseline completed "
