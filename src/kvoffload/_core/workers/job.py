@@ -197,18 +197,20 @@ class Job:
     def end(self, result: TransferResult | None = None, exc: BaseException | None = None, cancelled: bool = False) -> bool:
         """End the transfer, once (the first call wins; True if this one did): :meth:`cleanup` (what
         it holds goes back: its copies have completed), its result, :meth:`count_end`, then the
-        :class:`Transfer` ends and its waiters wake. Nothing raised here escapes (a ``SystemExit``
-        would stop a worker's loop for good)."""
+        :class:`Transfer` ends and its waiters wake. What a hook raises is logged and the end goes on
+        (a ``SystemExit`` would stop a worker's loop for good), except a Ctrl-C in the main thread:
+        it is raised once the end is whole, so the user's interrupt is not lost."""
         with _LOCK:
             if self.ended:
                 return False
             self.ended = True
         if self.taken is None:
             self.taken = time.perf_counter()
+        interrupt: BaseException | None = None
         try:
             self.cleanup()
-        except BaseException:
-            log.exception("kvoffload: transfer cleanup raised")
+        except BaseException as e:
+            interrupt = _kept_or_logged(e, "cleanup")
         if not cancelled and exc is None and result is None:
             try:
                 result = self.result()
@@ -218,11 +220,13 @@ class Job:
             exc = as_transfer_error(self.transfer.kind, exc)
         try:
             self.count_end(result, exc, cancelled)
-        except BaseException:
-            log.exception("kvoffload: transfer end hook raised")
+        except BaseException as e:
+            interrupt = _kept_or_logged(e, "end hook") or interrupt
         self.transfer._end(result, exc, cancelled)
         for semaphore in tuple(self.sleepers):  # a thread asleep until the copies land: it ended sooner (a cancel)
             semaphore.ring()
+        if interrupt is not None:
+            raise interrupt
         return True
 
     def want_end(self) -> None:
@@ -299,3 +303,13 @@ class Job:
         worker = self.worker
         if worker is not None:
             worker.cancel(self)
+
+
+def _kept_or_logged(e: BaseException, what: str) -> BaseException | None:
+    """(Called in an ``except`` block of :meth:`Job.end`.) A ``KeyboardInterrupt`` in the main thread,
+    where a signal handler raises it wherever it lands, is returned, to be raised once the end is whole;
+    anything else is logged (the end goes on) and None returned."""
+    if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        return e
+    log.exception("kvoffload: transfer %s raised", what)
+    return None
