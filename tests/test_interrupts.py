@@ -32,7 +32,7 @@ def _kvoffload_frames(tb) -> set[str]:
 # swallows it: Python reports it as unraisable, and the iteration simply sees no interrupt.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("tiers", ["host", "host+disk", "host, GPU path"])
-def test_interrupts_anywhere_in_store_and_load_leak_nothing(tmp_path, tiers, caplog):
+def test_interrupts_anywhere_in_store_and_load_and_stats_leak_nothing(tmp_path, tiers, caplog):
     caches = random_caches(64, seed=7)
     slot = kvoffload.BlockLayout.of(caches).slot_bytes
     disk = {"disk_path": tmp_path / "kv", "disk_blocks": 48} if tiers == "host+disk" else {}
@@ -56,6 +56,8 @@ def test_interrupts_anywhere_in_store_and_load_leak_nothing(tmp_path, tiers, cap
                     off.load({k: 32 + n for n, k in enumerate(stored)})
                 else:
                     off.store(keys)
+                if i % 10 == 9:  # the counters folded, also under an interrupt
+                    off.stats()
                 ctrl_c.armed = False
             except KeyboardInterrupt as e:
                 ctrl_c.armed = False

@@ -548,6 +548,8 @@ class Offloader:
         remote = self._remote_counts_closed if rt is None else rt.remote.counts() if rt.remote is not None else rt.remote_counts_closed
         k = self._counters
         with k.lock:
+            k.fold()
+            ends = k.totals
             return OffloaderStats(
                 host_slots=self._slots.host,
                 host_free=ix.host_free,
@@ -562,22 +564,22 @@ class Offloader:
                 evicted=ix.evicted_host + ix.evicted_disk,
                 spilled=ix.spilled,
                 in_flight=k.in_flight,
-                stores=k.stores,
-                loads=k.loads,
-                failed=k.failed,
-                cancelled=k.cancelled,
-                bytes_stored=k.bytes_stored,
-                bytes_loaded=k.bytes_loaded,
+                stores=ends.stores,
+                loads=ends.loads,
+                failed=ends.failed,
+                cancelled=ends.cancelled,
+                bytes_stored=ends.bytes_stored,
+                bytes_loaded=ends.bytes_loaded,
                 lookups=k.lookups,
                 lookup_hits=k.lookup_hits,
-                keys_loaded_from_host=k.keys_loaded_from_host,
-                keys_loaded_from_disk=k.keys_loaded_from_disk,
+                keys_loaded_from_host=ends.keys_loaded_from_host,
+                keys_loaded_from_disk=ends.keys_loaded_from_disk,
                 evicted_host=ix.evicted_host,
                 evicted_disk=ix.evicted_disk,
                 disk_bytes_written=io.bytes_written,
                 disk_bytes_read=io.bytes_read,
                 disk_io_errors=io.errors,
-                bytes_stored_partially=k.bytes_stored_partially,
+                bytes_stored_partially=ends.bytes_stored_partially,
                 host_pending=ix.host_pending,
                 disk_pending=ix.disk_pending,
                 promoted=ix.promoted,

@@ -189,6 +189,8 @@ class BlockIndex:
         self._entries: dict[Hashable, Entry] = {}
         """Key -> entry, for every entry but GONE ones."""
         self._tiers = (Tier(host_slots), Tier(disk_slots))
+        self.has_disk = disk_slots > 0
+        """Whether there is a disk tier (without one, no entry or pin is ever on disk)."""
         self._unread_waiters: dict[int, list[Callable[[], object]]] = {}
         """Host slot -> callbacks to run once it has no readers (heirs waiting to write)."""
         self.evicted = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -176,6 +177,11 @@ class _Histogram:
         self.sum += seconds
         self.count += 1
 
+    def copy(self) -> _Histogram:
+        h = _Histogram()
+        h.counts, h.sum, h.count = list(self.counts), self.sum, self.count
+        return h
+
     def snapshot(self) -> LatencyHistogram:
         return LatencyHistogram(LATENCY_BOUNDS, tuple(self.counts), self.sum, self.count)
 
@@ -184,23 +190,95 @@ class _Counted(Protocol):
     counted: bool
 
 
+EndRecord = tuple[Literal["store", "load"], "TransferResult | None", bool, bool, float, "float | None", float, int, int, bool]
+"""One transfer's end, as :meth:`TransferCounters.ended` takes it: (kind, result, failed, cancelled,
+started, taken, now, partial_bytes, from_disk, counted). ``taken``: when a worker took it (None: it
+never started); ``counted``: whether :meth:`TransferCounters.started` counted it in flight."""
+
+FOLD_AT = 256
+"""Ends waiting at which the end that adds one counts them all (:meth:`TransferCounters.fold`)."""
+
+
+class EndTotals:
+    """What the transfers' ends counted (:meth:`TransferCounters.fold` makes each anew)."""
+
+    __slots__ = ("ended_in_flight", "stores", "loads", "failed", "cancelled", "bytes_stored", "bytes_loaded",
+                 "bytes_stored_partially", "keys_loaded_from_host", "keys_loaded_from_disk", "latency")
+
+    def __init__(self) -> None:
+        self.ended_in_flight = self.stores = self.loads = self.failed = self.cancelled = 0
+        """``ended_in_flight``: ends of transfers that were counted in flight."""
+        self.bytes_stored = self.bytes_loaded = self.bytes_stored_partially = 0
+        self.keys_loaded_from_host = self.keys_loaded_from_disk = 0
+        self.latency: dict[tuple[str, str], tuple[_Histogram, _Histogram, _Histogram]] = {}
+        """(kind, outcome) -> histograms of the queue, copy and total phases."""
+
+    def plus(self, ends: list[EndRecord]) -> EndTotals:
+        """These totals with ``ends`` counted too: a new record (this one is left as it is)."""
+        t = EndTotals()
+        for name in EndTotals.__slots__[:-1]:
+            setattr(t, name, getattr(self, name))
+        t.latency = {k: (a.copy(), b.copy(), c.copy()) for k, (a, b, c) in self.latency.items()}
+        for kind, result, failed, cancelled, started, taken, now, partial_bytes, from_disk, counted in ends:
+            outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
+            taken = started if taken is None else taken
+            t.ended_in_flight += counted
+            if outcome == "cancelled":
+                t.cancelled += 1
+            elif outcome == "failed":
+                t.failed += 1
+            elif result is not None and kind == "store":
+                t.stores += 1
+                t.bytes_stored += result.nbytes
+            elif result is not None:
+                t.loads += 1
+                t.bytes_loaded += result.nbytes
+                t.keys_loaded_from_disk += from_disk
+                t.keys_loaded_from_host += len(result.keys) - from_disk
+            t.bytes_stored_partially += partial_bytes
+            phases = t.latency.get((kind, outcome))
+            if phases is None:
+                phases = t.latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
+            for h, seconds in zip(phases, (max(taken - started, 0.0), max(now - taken, 0.0), max(now - started, 0.0))):
+                h.observe(seconds)
+        return t
+
+
 class TransferCounters:
-    """Transfers started and ended (by outcome, with latencies), and lookups; thread-safe."""
+    """Transfers started and ended (by outcome, with latencies), and lookups; thread-safe.
+
+    A transfer's end is counted lazily, so that it costs the end one append and no lock: its record
+    waits in a list until :meth:`fold` counts every record waiting, which each reader calls first (as
+    does an end that finds :data:`FOLD_AT` waiting). An interrupt (a signal handler's
+    ``KeyboardInterrupt``) anywhere loses or doubles no end: the totals with a batch counted replace
+    the old ones in one step, naming the batch's last record, and the next fold drops what that
+    names first."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.in_flight = self.stores = self.loads = self.failed = self.cancelled = 0
-        self.bytes_stored = self.bytes_loaded = self.bytes_stored_partially = 0
+        self.started_in_flight = 0
+        """Transfers counted in flight by :meth:`started`; ``in_flight`` is this less the ones that ended."""
         self.lookups = self.lookup_hits = 0
-        self.keys_loaded_from_host = self.keys_loaded_from_disk = 0
-        self._latency: dict[tuple[str, str], tuple[_Histogram, _Histogram, _Histogram]] = {}
-        """(kind, outcome) -> histograms of the queue, copy and total phases."""
+        self._ends: list[EndRecord] = []
+        """Ends not counted yet, oldest first (appends from any thread; only :meth:`fold` takes from it)."""
+        self._folded: tuple[EndTotals, EndRecord | None] = (EndTotals(), None)
+        """The totals, and the last record they count while it may still be in :attr:`_ends`: set together, in one step."""
+
+    @property
+    def totals(self) -> EndTotals:
+        """What the ends folded so far counted: read under :attr:`lock`, after :meth:`fold`."""
+        return self._folded[0]
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers started and not ended (as of the last :meth:`fold`)."""
+        return self.started_in_flight - self.totals.ended_in_flight
 
     def started(self, plan: _Counted) -> None:
         """Count ``plan``'s transfer in flight, and mark it counted in the same step (an interrupt
         right after leaves both or neither)."""
         with self.lock:
-            self.in_flight += 1
+            self.started_in_flight += 1
             plan.counted = True
 
     def looked_up(self, hits: int) -> None:
@@ -208,42 +286,36 @@ class TransferCounters:
             self.lookups += 1
             self.lookup_hits += hits
 
-    def ended(
-        self, kind: Literal["store", "load"], result: TransferResult | None, failed: bool, cancelled: bool, *,
-        started: float, taken: float | None, now: float, partial_bytes: int = 0, from_disk: int = 0, counted: bool = True,
-    ) -> None:
-        """Count a transfer's end. Runs before the transfer is finished, so a waiter that wakes
-        already sees it counted. ``taken``: when a worker took it (None: it never started);
-        ``counted``: whether :meth:`started` counted it in flight."""
-        outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
-        taken = started if taken is None else taken
-        with self.lock:
-            self.in_flight -= counted
-            if outcome == "cancelled":
-                self.cancelled += 1
-            elif outcome == "failed":
-                self.failed += 1
-            elif result is not None and kind == "store":
-                self.stores += 1
-                self.bytes_stored += result.nbytes
-            elif result is not None:
-                self.loads += 1
-                self.bytes_loaded += result.nbytes
-                self.keys_loaded_from_disk += from_disk
-                self.keys_loaded_from_host += len(result.keys) - from_disk
-            self.bytes_stored_partially += partial_bytes
-            phases = self._latency.get((kind, outcome))
-            if phases is None:
-                phases = self._latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
-            for h, seconds in zip(phases, (max(taken - started, 0.0), max(now - taken, 0.0), max(now - started, 0.0))):
-                h.counts[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1  # observed here: no call per phase
-                h.sum += seconds
-                h.count += 1
+    def ended(self, record: EndRecord) -> None:
+        """Count a transfer's end (by the next :meth:`fold`). Runs before the transfer is finished,
+        so a waiter that wakes and reads the counters already sees it counted."""
+        ends = self._ends
+        ends.append(record)
+        if len(ends) >= FOLD_AT:
+            with self.lock:
+                self.fold()
+
+    def fold(self) -> None:
+        """Count every end waiting (call with :attr:`lock` held)."""
+        ends = self._ends
+        totals, last = self._folded
+        if last is not None:  # counted by the last fold, and maybe not dropped yet (an interrupt came between)
+            for i, record in enumerate(ends):
+                if record is last:
+                    del ends[: i + 1]
+                    break
+            self._folded = (totals, None)
+        n = len(ends)
+        if n:
+            batch = ends[:n]
+            self._folded = (totals.plus(batch), batch[-1])  # one step: counted, and what it counted named
+            del ends[:n]
+            self._folded = (self._folded[0], None)
 
     def latency(self) -> dict[tuple[str, str, str], LatencyHistogram]:
-        """Snapshots of every histogram observed so far; call with :attr:`lock` held."""
+        """Snapshots of every histogram observed so far; call with :attr:`lock` held, after :meth:`fold`."""
         return {
             (kind, outcome, phase): h.snapshot()
-            for (kind, outcome), hs in self._latency.items()
+            for (kind, outcome), hs in self.totals.latency.items()
             for phase, h in zip(("queue", "copy", "total"), hs)
         }

@@ -98,10 +98,7 @@ class StorePlan(Job):
         if not self.counted and result is None:
             return
         partial = 0 if result is not None else self.published * self.block_bytes
-        self.metrics.ended(
-            "store", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
-            partial_bytes=partial, counted=self.counted,
-        )
+        self.metrics.ended(("store", result, exc is not None, cancelled, self.started, self.taken, time.perf_counter(), partial, 0, self.counted))
 
     def cleanup(self) -> None:
         """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries.
@@ -149,11 +146,8 @@ class LoadPlan(Job):
         had nothing to copy (as a store's)."""
         if not self.counted and result is None:
             return
-        from_disk = [p.tier for p in self.pins].count(DISK) if result is not None else 0
-        self.metrics.ended(
-            "load", result, exc is not None, cancelled, started=self.started, taken=self.taken, now=time.perf_counter(),
-            from_disk=from_disk, counted=self.counted,
-        )
+        from_disk = [p.tier for p in self.pins].count(DISK) if result is not None and self.index.has_disk else 0
+        self.metrics.ended(("load", result, exc is not None, cancelled, self.started, self.taken, time.perf_counter(), 0, from_disk, self.counted))
 
     def cleanup(self) -> None:
         """Release the load's pins (idempotent); its copies have completed."""
