@@ -115,14 +115,17 @@ class StorePlan(Job):
 class LoadPlan(Job):
     """A load's job: its pinned copies and destination blocks; unpins them when it ends."""
 
-    __slots__ = ("index", "metrics", "pins", "block_ids", "block_bytes", "released", "per_tensor", "counted")
+    __slots__ = ("index", "metrics", "keys", "pins", "block_ids", "block_bytes", "released", "per_tensor", "counted")
 
     def __init__(
-        self, index: BlockIndex, metrics: TransferCounters, block_ids: list[int], block_bytes: int, tensor_names: tuple[str, ...] = (),
+        self, index: BlockIndex, metrics: TransferCounters, keys: tuple[Hashable, ...], block_ids: list[int], block_bytes: int,
+        tensor_names: tuple[str, ...] = (),
     ) -> None:
         super().__init__("load", tensor_names)
         self.index = index
         self.metrics = metrics
+        self.keys = keys
+        """The keys the call named, in its order (what the result reports)."""
         self.per_tensor = False
         """Per-tensor loads: copy ``i`` is tensor ``i``, reported as it lands."""
         self.pins: list[Pin] = []
@@ -138,7 +141,7 @@ class LoadPlan(Job):
             self.transfer._tensor_landed(i)
 
     def result(self) -> TransferResult:
-        keys = tuple([p.entry.key for p in self.pins])
+        keys = self.keys
         return TransferResult("load", keys, (), len(keys) * self.block_bytes, time.perf_counter() - self.started)
 
     def count_end(self, result: TransferResult | None, exc: BaseException | None, cancelled: bool) -> None:
@@ -161,20 +164,16 @@ class RemoteLoadPlan(LoadPlan):
     the remote keys' host slots, reserved like a store's (:attr:`fetched`), published once their
     blocks are in the cache. Its cleanup gives back both."""
 
-    __slots__ = ("fetched", "keys", "remote_keys")
+    __slots__ = ("fetched", "remote_keys")
 
     def __init__(
         self, index: BlockIndex, metrics: TransferCounters, blocks: dict[Hashable, int], remote_keys: list[Hashable], block_bytes: int,
         tensor_names: tuple[str, ...],
     ) -> None:
-        super().__init__(index, metrics, [], block_bytes, tensor_names)
+        super().__init__(index, metrics, tuple(blocks), [], block_bytes, tensor_names)
         self.fetched = StorePlan(index, metrics, block_bytes, 1)
         """The remote keys' reservation (never counted as a store)."""
-        self.keys = tuple(blocks)
         self.remote_keys = remote_keys
-
-    def result(self) -> TransferResult:
-        return TransferResult("load", self.keys, (), len(self.keys) * self.block_bytes, time.perf_counter() - self.started)
 
     def cleanup(self) -> None:
         self.fetched.cleanup()
@@ -390,7 +389,7 @@ class TieredStorage:
         if remote_keys:
             plan = RemoteLoadPlan(self.index, self.metrics, blocks, remote_keys, self.layout.block_bytes, self.tensor_names)
         else:
-            plan = LoadPlan(self.index, self.metrics, list(blocks.values()), self.layout.block_bytes, self.tensor_names)
+            plan = LoadPlan(self.index, self.metrics, tuple(blocks), list(blocks.values()), self.layout.block_bytes, self.tensor_names)
         worker = self.workers.load
         try:
             if not blocks:  # done at the call: counted, never in flight

@@ -187,7 +187,8 @@ class Job:
                 return False
         except Exception as e:
             return self.failed(copy_failed(e))
-        self.report(len(events) - 1)
+        if self.reports_landings:  # else nothing to report: the job ends now
+            self.report(len(events) - 1)
         if self.cancel_flag is not None:  # :meth:`copies_done`, inlined: no cancel came, nothing failed
             self.release_flag()
         return self.end()
