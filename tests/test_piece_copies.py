@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload._core.base.piece_copies import ChunkCopies, call_handle, context_status, enqueue_pieces, enqueue_ring, enqueue_runs, memcpy_pieces
+from kvoffload._core.base.piece_copies import ChunkCopies, context_status, enqueue_pieces, enqueue_ring, enqueue_runs, memcpy_pieces
 
 SLOT = 4096
 
@@ -507,33 +507,6 @@ def test_context_status_tells_a_current_context_from_none_and_from_an_error(cont
     assert context_status(ctypes.cast(fn, ctypes.c_void_p).value) == status
     with pytest.raises(ValueError):
         context_status(0)
-
-
-ONE_HANDLE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-
-
-def test_call_handle_passes_one_or_two_handles_and_returns_the_drivers_code() -> None:
-    seen: list[tuple[int | None, ...]] = []
-
-    def query(event) -> int:
-        seen.append((event,))
-        return 600  # CUDA_ERROR_NOT_READY
-
-    def record(event, stream) -> int:
-        seen.append((event, stream))
-        return 0
-
-    one, two = ONE_HANDLE(query), RECORD(record)
-    assert call_handle(ctypes.cast(one, ctypes.c_void_p).value, 0xE1) == 600
-    assert call_handle(ctypes.cast(two, ctypes.c_void_p).value, 0xE2, 0x5) == 0
-    assert seen == [(0xE1,), (0xE2, 0x5)]
-    with pytest.raises(ValueError):
-        call_handle(0, 1)
-    with pytest.raises(TypeError):
-        call_handle(ctypes.cast(one, ctypes.c_void_p).value)
-    with pytest.raises((TypeError, OverflowError, ValueError)):
-        call_handle(ctypes.cast(one, ctypes.c_void_p).value, -1)
-    assert len(seen) == 2  # nothing called on bad input
 
 
 @pytest.mark.parametrize(

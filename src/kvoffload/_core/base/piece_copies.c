@@ -19,7 +19,6 @@
  *   enqueue_ring    GPU caches: a stream wait and a host function that rings a semaphore once an
  *                   event completes (how the landing watcher and waiting threads are woken).
  *   context_status  whether the calling thread has a current CUDA context (asked per transfer).
- *   call_handle     a driver call on one or two handles (an event's query or record), without ctypes.
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
  * this file needs no CUDA header or library to build, and builds and imports the same on a
@@ -839,36 +838,6 @@ static PyObject *context_status(PyObject *self, PyObject *fn_arg)
     return PyLong_FromLong(err ? err : ctx != NULL ? 0 : -1);
 }
 
-/* -- call_handle ---------------------------------------------------------------------------- */
-
-typedef int (*handle_fn)(void *);
-typedef int (*two_handles_fn)(void *, void *);
-
-PyDoc_STRVAR(call_handle_doc,
-"call_handle(fn, a, b=None, /) -> int\n\n"
-"Call the driver's entry point at address ``fn`` with one or two handles, ``fn(a)`` or ``fn(a, b)``\n"
-"(cuEventQuery, cuEventRecord: ``int fn(void *[, void *])``), keeping the GIL; its error code.\n"
-"What ctypes does for these calls, without its argument conversion.");
-
-static PyObject *call_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2 && nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "call_handle takes 2 or 3 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    uint64_t fn, a, b = 0;
-    if (as_u64(args[0], &fn, "fn") < 0 || as_u64(args[1], &a, "a") < 0 || (nargs == 3 && as_u64(args[2], &b, "b") < 0)) {
-        return NULL;
-    }
-    if (fn == 0) {
-        PyErr_SetString(PyExc_ValueError, "call_handle: the function address is 0");
-        return NULL;
-    }
-    int err = nargs == 2 ? ((handle_fn)(uintptr_t)fn)((void *)(uintptr_t)a)
-                         : ((two_handles_fn)(uintptr_t)fn)((void *)(uintptr_t)a, (void *)(uintptr_t)b);
-    return PyLong_FromLong(err);
-}
-
 /* -- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -877,7 +846,6 @@ static PyMethodDef methods[] = {
     {"enqueue_runs", (PyCFunction)(void (*)(void))enqueue_runs, METH_FASTCALL, enqueue_runs_doc},
     {"enqueue_ring", (PyCFunction)(void (*)(void))enqueue_ring, METH_FASTCALL, enqueue_ring_doc},
     {"context_status", (PyCFunction)context_status, METH_O, context_status_doc},
-    {"call_handle", (PyCFunction)(void (*)(void))call_handle, METH_FASTCALL, call_handle_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-from ..base.piece_copies import call_handle, context_status
+from ..base.piece_copies import context_status
 
 __all__ = [
     "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "CopyEntryPoints",
@@ -198,9 +197,8 @@ def _proc_address(cu: Any, name: str, version: int = 12000) -> int:
 # ctypes.CFUNCTYPE, torch and cuda-bindings release the GIL around each C call. When another
 # thread of the process runs Python, getting it back can take the whole switch interval (5 ms):
 # a transfer made of a few hundred such calls then crawls. The calls below only put work on a
-# stream or ask about it and return in microseconds, so they are made through ctypes.PYFUNCTYPE
-# (an event's record and query through a C function of our own), which keep the GIL: a transfer
-# is enqueued whole without handing the GIL to anyone.
+# stream or ask about it and return in microseconds, so they are made through ctypes.PYFUNCTYPE,
+# which keeps the GIL: a transfer is enqueued whole without handing the GIL to anyone.
 # cuEventSynchronize, which sleeps, releases it: once, where cuda-bindings would release it at
 # each of its calls (making the context current, waiting, restoring the context).
 
@@ -224,12 +222,8 @@ class EnqueueCalls:
         self._ctx_get_current = self.addresses["cuCtxGetCurrent"] = _proc_address(cu, "cuCtxGetCurrent")
         self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
         self.event_destroy = resolve("cuEventDestroy", _VOID_P)
-        # The two calls of every transfer's events, through C (``call_handle``): ctypes' conversion of
-        # the arguments costs more than the driver's own call.
-        record = self.addresses["cuEventRecord"] = _proc_address(cu, "cuEventRecord")
-        query = self.addresses["cuEventQuery"] = _proc_address(cu, "cuEventQuery")
-        self.event_record: Callable[[int, int], int] = functools.partial(call_handle, record)
-        self.event_query: Callable[[int], int] = functools.partial(call_handle, query)
+        self.event_record = resolve("cuEventRecord", _VOID_P, _VOID_P)
+        self.event_query = resolve("cuEventQuery", _VOID_P)
         self.event_synchronize = resolve("cuEventSynchronize", _VOID_P, releasing_gil=True)
         self.stream_wait_event = resolve("cuStreamWaitEvent", _VOID_P, _VOID_P, ctypes.c_uint)
         self.launch_kernel = resolve(
