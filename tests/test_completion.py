@@ -824,7 +824,7 @@ def test_an_interrupted_hand_over_ends_the_transfer_cancelled_exactly_once(quiet
                         spin_until(taken, what="the worker took the job")
                     raise KeyboardInterrupt
 
-        async def run(after):
+        async def run(job, after):
             await asyncio.Event().wait()
 
         if not worker_took_it:

@@ -219,9 +219,9 @@ class EndTotals:
         for name in EndTotals.__slots__[:-1]:
             setattr(t, name, getattr(self, name))
         t.latency = {k: (a.copy(), b.copy(), c.copy()) for k, (a, b, c) in self.latency.items()}
+        where, bounds, latency = bisect.bisect_left, LATENCY_BOUNDS, t.latency
         for kind, result, failed, cancelled, started, taken, now, partial_bytes, from_disk, counted in ends:
             outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
-            taken = started if taken is None else taken
             t.ended_in_flight += counted
             if outcome == "cancelled":
                 t.cancelled += 1
@@ -236,11 +236,15 @@ class EndTotals:
                 t.keys_loaded_from_disk += from_disk
                 t.keys_loaded_from_host += len(result.keys) - from_disk
             t.bytes_stored_partially += partial_bytes
-            phases = t.latency.get((kind, outcome))
+            phases = latency.get((kind, outcome))
             if phases is None:
-                phases = t.latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
+                phases = latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
+            if taken is None:
+                taken = started
             for h, seconds in zip(phases, (max(taken - started, 0.0), max(now - taken, 0.0), max(now - started, 0.0))):
-                h.observe(seconds)
+                h.counts[where(bounds, seconds)] += 1  # :meth:`_Histogram.observe`, inlined: three calls fewer per end
+                h.sum += seconds
+                h.count += 1
         return t
 
 

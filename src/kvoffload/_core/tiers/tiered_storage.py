@@ -301,7 +301,7 @@ class TieredStorage:
                 if not reservation.to_disk and not reservation.spills:
                     assert self.host is not None
                     requests = self.host.requests(True, plan.block_ids, [e.slot for e in reservation.entries])
-            worker.start(plan, after, requests, functools.partial(self._run_store, plan))
+            worker.start(plan, after, requests, self._run_store)
         except BaseException:
             worker.abandon(plan)
             raise
@@ -398,7 +398,7 @@ class TieredStorage:
             if isinstance(plan, RemoteLoadPlan):
                 self._plan_remote_load(plan, blocks, taking)
                 self.metrics.started(plan)
-                worker.start(plan, after, run=functools.partial(self._run_remote_load, plan))
+                worker.start(plan, after, run=self._run_remote_load)
                 return plan.transfer
             early = None
             if len(blocks) > self.chunk_blocks and not per_tensor and not expedited and taking is None and self._early():
@@ -476,7 +476,7 @@ class TieredStorage:
         if plan.events is not None:  # submitted by _load_early: followed
             self.workers.load.start(plan, after)
             return self.workers.load
-        all_host = DISK not in [p.tier for p in plan.pins]
+        all_host = not self.index.has_disk or DISK not in [p.tier for p in plan.pins]
         requests = None
         if all_host:
             assert self.host is not None
@@ -490,7 +490,7 @@ class TieredStorage:
             assert self.host is not None
             by_tensor = (self.host.rows, [p.slot for p in plan.pins], plan.block_ids)
             plan.per_tensor = plan.reports_landings = True
-        worker.start(plan, after, requests, functools.partial(self._run_load, plan), by_tensor)
+        worker.start(plan, after, requests, self._run_load, by_tensor)
         return worker
 
     async def _run_load(self, plan: LoadPlan, after: Any) -> TransferResult:

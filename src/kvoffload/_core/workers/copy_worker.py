@@ -50,8 +50,9 @@ log = logging.getLogger("kvoffload")
 C = TypeVar("C")
 R = TypeVar("R")
 
-Run = Callable[[Any], Coroutine[Any, Any, TransferResult]]
-"""A task's coroutine: ``run(after)``, ``after`` the event its first copy waits for (None: none)."""
+Run = Callable[[Any, Any], Coroutine[Any, Any, TransferResult]]
+"""A task's coroutine: ``run(job, after)``, ``after`` the event its first copy waits for (None: none)
+(the tiers' own method, its job passed: no partial made per transfer)."""
 
 
 class CopyWorker:
@@ -103,7 +104,7 @@ class CopyWorker:
         """Run ``job``: its ``requests`` (copies between the cache and host slots alone) at call time
         (GPU; ``by_tensor``: as ``(host rows, slots, block ids)`` of a per-tensor load instead; none if
         :meth:`submit_now` submitted them, then they are followed) or as one
-        chunk on the worker (CPU, one request); otherwise ``run(after)`` as a task. ``after`` None:
+        chunk on the worker (CPU, one request); otherwise ``run(job, after)`` as a task. ``after`` None:
         after the work enqueued so far on the caller's current stream. The hand-over is last: an
         exception before it leaves the job to :meth:`abandon`."""
         job.worker = self
@@ -300,16 +301,16 @@ class CopyWorker:
         if not job.take():  # withdrawn by its interrupted caller, who ends it
             return
         job.taken = time.perf_counter()
-        task = self.loop.loop.create_task(self._guarded(run, after))
+        task = self.loop.loop.create_task(self._guarded(run, job, after))
         job.task = task
         self.loop.track(task)
         task.add_done_callback(functools.partial(_task_ended, job))
         if job.transfer._cancel_requested:  # a task cancelled before its first step never runs its coroutine
             task.cancel()
 
-    async def _guarded(self, run: Run, after: Any) -> TransferResult:
+    async def _guarded(self, run: Run, job: Job, after: Any) -> TransferResult:
         try:
-            return await run(after)
+            return await run(job, after)
         except BaseException as e:  # SystemExit & co. too: out of a task they would stop the worker loop
             mapped = as_transfer_error(self.kind, e)
             if mapped is e:
