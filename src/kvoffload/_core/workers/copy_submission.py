@@ -59,6 +59,10 @@ class CopyCalls:
     to_device: Callable[[BlockCopier, torch.Tensor, Sequence[int], Sequence[int]], CopyEvent | None] = _to_device
 
 
+_NOTHING_TO_STOP = contextlib.nullcontext()
+"""What a transfer without a cancel flag submits its copies in (one for all: it holds nothing)."""
+
+
 class CopySubmitter:
     """Submits copies to one copier (``calls`` says how: tests replace them to gate or break copies)."""
 
@@ -107,7 +111,7 @@ class CopySubmitter:
             with self._lock:
                 try:
                     copier.wait_for(after)  # None: the caller's current stream (this is the caller's thread)
-                    with copier.stops_on(flag) if flag is not None else contextlib.nullcontext():
+                    with copier.stops_on(flag) if flag is not None else _NOTHING_TO_STOP:
                         if by_tensor is not None:
                             events.extend(call_foreign("copy to device", copier.to_device_by_tensor, *by_tensor))  # type: ignore[attr-defined]
                         for r in requests if by_tensor is None else ():  # :meth:`submit`, inlined: two calls fewer per copy
