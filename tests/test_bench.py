@@ -132,3 +132,13 @@ def test_installed_bench_has_its_baseline_without_a_checkout(wheel, tmp_path):
     assert rows["host store, random ids"]["baseline"] > 0
     if importlib.util.find_spec("transformers") is not None:
         assert rows["TTFT 64 tokens, host"]["kvoffload"] > 0  # the model harness came with the wheel
+
+
+def test_the_step_cost_script_times_steps_on_the_gpu_path_with_the_gpu_stood_in_for():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "step_cost.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "120", "--runs", "1", "--python-ms", "0.1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"median ([\d.]+) us, lower quartile ([\d.]+) us \((\d+) steps", proc.stdout)
+    assert m, proc.stdout
+    assert 0 < float(m[2]) <= float(m[1]) and int(m[3]) == 70
