@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 

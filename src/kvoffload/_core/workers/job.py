@@ -216,7 +216,14 @@ class Job:
             try:
                 result = self.result()
             except BaseException as e:
-                exc = e
+                if _is_ctrl_c(e) and interrupt is None:  # the copies landed: the result is made again, the Ctrl-C kept
+                    interrupt = e
+                    try:
+                        result = self.result()
+                    except BaseException as again:
+                        exc = again
+                else:
+                    exc = e
         if exc is not None:
             exc = as_transfer_error(self.transfer.kind, exc)
         try:
@@ -306,11 +313,15 @@ class Job:
             worker.cancel(self)
 
 
+def _is_ctrl_c(e: BaseException) -> bool:
+    """A ``KeyboardInterrupt`` in the main thread, where a signal handler raises it wherever it lands."""
+    return isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+
+
 def _kept_or_logged(e: BaseException, what: str) -> BaseException | None:
-    """(Called in an ``except`` block of :meth:`Job.end`.) A ``KeyboardInterrupt`` in the main thread,
-    where a signal handler raises it wherever it lands, is returned, to be raised once the end is whole;
-    anything else is logged (the end goes on) and None returned."""
-    if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+    """(Called in an ``except`` block of :meth:`Job.end`.) A Ctrl-C (:func:`_is_ctrl_c`) is returned, to
+    be raised once the end is whole; anything else is logged (the end goes on) and None returned."""
+    if _is_ctrl_c(e):
         return e
     log.exception("kvoffload: transfer %s raised", what)
     return None
