@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import sys
+import threading
 
 import pytest
 
@@ -36,6 +38,58 @@ async def test_transfers_with_nothing_to_copy_are_counted_as_done():
         s = off.stats()
         assert (s.stores, s.loads, s.in_flight, s.bytes_stored) == (2, 1, 0, 2 * off.layout.block_bytes)
         assert s.latency[("store", "done", "total")].count == 2
+
+
+def test_counts_stay_exact_across_thousands_of_ends_from_several_threads_read_meanwhile():
+    """Ends are counted lazily (folded by each read, and every 256 ends): whatever the interleaving of
+    ends from several threads and reads from another, every read sees counts that only grow, and the
+    last one counts every transfer once."""
+    caches = random_caches(64, seed=55)
+    off = kvoffload.Offloader(caches, host_blocks=64).start()
+    try:
+        off.store({("base", b): b for b in range(8)}).result(10)
+        threads, per_thread, stop = 4, 500, threading.Event()
+        seen: list[tuple[int, int, int]] = []
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for i in range(per_thread):
+                    off.store({("t", t, i): 8 + t}).result(10)
+                    off.load({("base", i % 8): 32 + t}).result(10)
+                    off.discard([("t", t, i)])
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        def read() -> None:
+            while not stop.is_set():
+                s = off.stats()
+                seen.append((s.stores, s.loads, s.latency[("store", "done", "total")].count if ("store", "done", "total") in s.latency else 0))
+
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        reader = threading.Thread(target=read)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch between almost any two steps of a fold or an end
+        try:
+            reader.start()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        finally:
+            stop.set()
+            reader.join()
+            sys.setswitchinterval(interval)
+        assert not errors, errors
+        assert len(seen) > 10, "the reader hardly ran"
+        assert all(a <= b for x, y in zip(seen, seen[1:]) for a, b in zip(x, y)), "a count went down"
+        s = off.stats()
+        n = threads * per_thread
+        assert (s.stores, s.loads, s.in_flight, s.failed, s.cancelled) == (1 + n, n, 0, 0, 0), s
+        assert s.latency[("store", "done", "total")].count == 1 + n and s.latency[("load", "done", "total")].count == n
+        assert s.bytes_loaded == n * off.layout.block_bytes and s.keys_loaded_from_host == n
+    finally:
+        off.close()
 
 
 def test_latency_quantiles_check_q():
