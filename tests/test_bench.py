@@ -142,3 +142,6 @@ def test_the_step_cost_script_times_steps_on_the_gpu_path_with_the_gpu_stood_in_
     m = re.search(r"median ([\d.]+) us, lower quartile ([\d.]+) us \((\d+) steps", proc.stdout)
     assert m, proc.stdout
     assert 0 < float(m[2]) <= float(m[1]) and int(m[3]) == 70
+    calls = subprocess.run([sys.executable, str(script), "--steps", "120", "--calls", "--python-ms", "0"], capture_output=True, text=True, timeout=120)
+    m = re.search(r"every thread: ([\d.]+) \(70 steps", calls.stdout)
+    assert calls.returncode == 0 and m and 20 < float(m[1]) < 200, calls.stdout + calls.stderr
