@@ -145,3 +145,16 @@ def test_the_step_cost_script_times_steps_on_the_gpu_path_with_the_gpu_stood_in_
     calls = subprocess.run([sys.executable, str(script), "--steps", "120", "--calls", "--python-ms", "0"], capture_output=True, text=True, timeout=120)
     m = re.search(r"every thread: ([\d.]+) \(70 steps", calls.stdout)
     assert calls.returncode == 0 and m and 20 < float(m[1]) < 200, calls.stdout + calls.stderr
+
+
+def test_the_ab_script_runs_two_trees_benches_in_turn_and_shows_each_row_side_by_side():
+    script = ROOT / "scripts" / "bench_ab.py"
+    proc = subprocess.run([sys.executable, str(script), "--other", "HEAD", "--rounds", "2", "--timeout", "120", "--",
+                           "--only", "host", "--gib", "0.01", "--layout", "4x2x16x8x128:bf16"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = re.search(r"^host store, contiguous ids\s+GB/s\s+([\d.]+), ([\d.]+)\s+([\d.]+), ([\d.]+)\s+([\d.]+)$", proc.stdout, re.M)
+    assert row, proc.stdout
+    this, other = float(row[1]) + float(row[2]), float(row[3]) + float(row[4])
+    assert all(float(row[i]) > 0 for i in range(1, 5)) and abs(float(row[5]) - this / other) < 0.01
+    assert proc.stderr.count("round ") == 4  # each tree once per round
