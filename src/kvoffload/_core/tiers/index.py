@@ -655,13 +655,9 @@ class BlockIndex:
         """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
         visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`);
         ``start_copies`` as for :meth:`pin`."""
+        held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
         visible = VISIBLE
-        if taking is None:  # the usual load: nothing taken over
-            held = [False] * len(keys)
-            missing = [k for k, e in zip(keys, found) if e is None or e.state not in visible]
-        else:
-            held = [t is not None and t.held for t in taking]
-            missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
+        missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
         if missing:
             return pins, missing
         moved: list[tuple[Pin, Pin]] = []
