@@ -5,6 +5,7 @@ reliability figures. The helpers the tests import are in ``tests/support/``."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -70,13 +71,16 @@ def host_allocations(monkeypatch) -> list[int]:
 
 
 @pytest.fixture
-def standin_driver(monkeypatch) -> StandInDriver:
+def standin_driver(monkeypatch) -> Iterator[StandInDriver]:
     """A :class:`StandInDriver` behind every ``DriverEvent`` made during the test."""
+    from kvoffload._core.base.piece_copies import use_event_calls
     from kvoffload._core.cuda import driver as cuda_driver
 
     standin = StandInDriver()
     monkeypatch.setattr(cuda_driver, "enqueue_calls", lambda: standin)
-    return standin
+    previous = use_event_calls(standin.event_calls)
+    yield standin
+    use_event_calls(previous)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

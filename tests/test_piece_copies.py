@@ -549,3 +549,66 @@ def test_chunk_copies_refuse_bad_input_without_calling_the_driver() -> None:
         ChunkCopies(driver.functions, 1, 1, K, C, 0, SLOT, table, STAGING, None)
     with pytest.raises(ValueError, match="4 uint64"):
         ChunkCopies(driver.functions, 1, 1, K, C, BETWEEN, SLOT, b"\0" * 8, STAGING, None)
+
+
+class EventDriver:
+    """The driver's four event functions stood in for by ctypes callbacks: handles counted from 1,
+    what each was asked logged, queries answered from ``outcome`` (600: still running)."""
+
+    def __init__(self, max_pooled: int = 2) -> None:
+        from kvoffload._core.base.piece_copies import EventCalls
+
+        self.made = 0
+        self.log: list[tuple[str, int]] = []
+        self.outcome: dict[int, int] = {}
+        void_p, c_int = ctypes.c_void_p, ctypes.c_int
+
+        def create(out, flags):
+            self.made += 1
+            ctypes.c_void_p.from_address(out).value = self.made
+            self.log.append(("create", flags))
+            return 0
+
+        self.callbacks = (
+            ctypes.CFUNCTYPE(c_int, void_p, ctypes.c_uint)(create),
+            ctypes.CFUNCTYPE(c_int, void_p)(lambda h: self.log.append(("destroy", h)) or 0),
+            ctypes.CFUNCTYPE(c_int, void_p, void_p)(lambda h, s: self.log.append(("record", h)) or (701 if s == 99 else 0)),
+            ctypes.CFUNCTYPE(c_int, void_p)(lambda h: self.outcome.get(h, 600)),
+        )
+
+        def check(call: str, err: int) -> None:
+            raise RuntimeError(f"{call} {err}")
+
+        self.calls = EventCalls(*[ctypes.cast(f, void_p).value for f in self.callbacks], 7, max_pooled, check, self.callbacks)
+
+
+def test_events_are_made_from_a_bounded_pool_recorded_and_queried_in_c() -> None:
+    """``Event``: made by cuEventCreate (with the table's flags) only when no gone event's handle waits
+    in its device's pool, that pool bounded (the rest destroyed); ``query()`` False while running,
+    True once done, the table's ``check`` raising any other code; a failed record raises too."""
+    from kvoffload._core.base.piece_copies import Event, use_event_calls
+
+    driver = EventDriver(max_pooled=2)
+    previous = use_event_calls(driver.calls)
+    try:
+        a, b, c = Event(0), Event(0), Event(1)
+        assert (a.handle, b.handle, c.handle, c.device) == (1, 2, 3, 1) and driver.log == [("create", 7)] * 3
+        assert a.record(5) is a and driver.log[-1] == ("record", 1)
+        assert a.query() is False
+        driver.outcome[1] = 0
+        assert a.query() is True
+        driver.outcome[2] = 700
+        with pytest.raises(RuntimeError, match="cuEventQuery 700"):
+            b.query()
+        with pytest.raises(RuntimeError, match="cuEventRecord 701"):
+            b.record(99)
+        d = Event(0)
+        del a, b, d  # two pooled on device 0, the third destroyed
+        assert driver.calls.pooled(0) == 2 and driver.log[-1] == ("destroy", 4)
+        again = [Event(0), Event(0)]
+        assert {e.handle for e in again} == {1, 2} and driver.made == 4, "the pooled handles were not reused"
+        assert Event(0).handle == 5 and driver.calls.pooled(1) == 0
+        with pytest.raises(ValueError):
+            Event(-1)
+    finally:
+        use_event_calls(previous)

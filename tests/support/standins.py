@@ -158,6 +158,25 @@ class StandInDriver:
         """Set once a thread sleeps in ``cuEventSynchronize``."""
         self.alarmed = threading.Event()
         """Set once an alarm is to ring at an event's completion."""
+        self.event_calls = self._event_calls()
+        """The functions the real ``DriverEvent`` is made, recorded and queried with (C calls them):
+        this stand-in's, through ctypes callbacks. The ``standin_driver`` fixture puts them in use."""
+
+    def _event_calls(self):
+        import ctypes
+
+        from kvoffload._core.base.piece_copies import EventCalls
+        from kvoffload._core.cuda.driver import check
+
+        void_p, c_int = ctypes.c_void_p, ctypes.c_int
+        self._callbacks = (  # kept alive as long as the stand-in: C calls them by address
+            ctypes.CFUNCTYPE(c_int, void_p, ctypes.c_uint)(lambda out, flags: self.event_create(out, flags)),
+            ctypes.CFUNCTYPE(c_int, void_p)(lambda handle: self.event_destroy(handle or 0)),
+            ctypes.CFUNCTYPE(c_int, void_p, void_p)(lambda handle, stream: self.event_record(handle or 0, stream or 0)),
+            ctypes.CFUNCTYPE(c_int, void_p)(lambda handle: self.event_query(handle or 0)),
+        )
+        addresses = [ctypes.cast(f, void_p).value for f in self._callbacks]
+        return EventCalls(*addresses, self.blocking_sync, 4096, check, self._callbacks)
 
     # -- the function table (returns CUDA error codes, as the driver's entry points do)
 

@@ -19,6 +19,8 @@
  *   enqueue_ring    GPU caches: a stream wait and a host function that rings a semaphore once an
  *                   event completes (how the landing watcher and waiting threads are woken).
  *   context_status  whether the calling thread has a current CUDA context (asked per transfer).
+ *   Event           GPU caches: a CUDA event made (from a pool of handles), recorded, queried and
+ *                   given back in C: every transfer makes, queries and drops one or two.
  *
  * The driver's entry points come as addresses (resolved by cuGetProcAddress in Python), so
  * this file needs no CUDA header or library to build, and builds and imports the same on a
@@ -30,6 +32,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -838,6 +842,310 @@ static PyObject *context_status(PyObject *self, PyObject *fn_arg)
     return PyLong_FromLong(err ? err : ctx != NULL ? 0 : -1);
 }
 
+/* -- Event, EventCalls ---------------------------------------------------------------------- */
+
+typedef int (*event_create_fn)(void **event, unsigned flags);
+typedef int (*event_destroy_fn)(void *event);
+typedef int (*event_query_fn)(void *event);
+
+#define MAX_DEVICES 64
+#define CUDA_ERROR_NOT_READY 600
+
+typedef struct {
+    PyObject_HEAD
+    event_create_fn create;
+    event_destroy_fn destroy;
+    event_record_fn record;
+    event_query_fn query;
+    unsigned flags;
+    Py_ssize_t max_pooled;
+    PyObject *check; /* check(call, error): raises the error as the driver names it */
+    PyObject *owner; /* kept alive: what the addresses point into (a stand-in driver's callbacks) */
+    void **free[MAX_DEVICES]; /* per device: handles of events gone, for the next ones */
+    Py_ssize_t nfree[MAX_DEVICES], capacity[MAX_DEVICES];
+} EventCalls;
+
+static int event_calls_init(EventCalls *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"create", "destroy", "record", "query", "flags", "max_pooled", "check", "owner", NULL};
+    unsigned long long create, destroy, record, query;
+    unsigned int flags;
+    Py_ssize_t max_pooled;
+    PyObject *check, *owner;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKKInOO:EventCalls", names, &create, &destroy, &record, &query, &flags,
+                                     &max_pooled, &check, &owner)) {
+        return -1;
+    }
+    if (self->check != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "EventCalls is initialised once");
+        return -1;
+    }
+    if (create == 0 || destroy == 0 || record == 0 || query == 0 || max_pooled < 0 || !PyCallable_Check(check)) {
+        PyErr_SetString(PyExc_ValueError, "EventCalls: a function address is 0, max_pooled < 0 or check not callable");
+        return -1;
+    }
+    self->create = (event_create_fn)(uintptr_t)create;
+    self->destroy = (event_destroy_fn)(uintptr_t)destroy;
+    self->record = (event_record_fn)(uintptr_t)record;
+    self->query = (event_query_fn)(uintptr_t)query;
+    self->flags = flags;
+    self->max_pooled = max_pooled;
+    Py_INCREF(check);
+    self->check = check;
+    Py_INCREF(owner);
+    self->owner = owner;
+    return 0;
+}
+
+static void event_calls_dealloc(EventCalls *self)
+{
+    /* the handles pooled are not destroyed: the driver's table lives as long as the process, and a
+       stand-in's handles are its own */
+    for (int d = 0; d < MAX_DEVICES; d++) {
+        PyMem_Free(self->free[d]);
+    }
+    Py_CLEAR(self->check);
+    Py_CLEAR(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(event_calls_pooled_doc, "pooled(device, /) -> int\n\nHow many handles of gone events wait for reuse on ``device``.");
+
+static PyObject *event_calls_pooled(EventCalls *self, PyObject *device_arg)
+{
+    long d = PyLong_AsLong(device_arg);
+    if (d == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromSsize_t(d >= 0 && d < MAX_DEVICES ? self->nfree[d] : 0);
+}
+
+static PyMethodDef event_calls_methods[] = {
+    {"pooled", (PyCFunction)event_calls_pooled, METH_O, event_calls_pooled_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(event_calls_doc,
+"EventCalls(create, destroy, record, query, flags, max_pooled, check, owner)\n\n"
+"The driver's event functions (addresses of cuEventCreate, cuEventDestroy, cuEventRecord,\n"
+"cuEventQuery), the flags events are made with, and per device a pool of at most ``max_pooled``\n"
+"handles of events gone, for :class:`Event`. ``check(call, error)`` raises a failed call's error;\n"
+"``owner`` is kept alive (what the addresses point into).");
+
+static PyTypeObject EventCallsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload._core.base.piece_copies.EventCalls",
+    .tp_basicsize = sizeof(EventCalls),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = event_calls_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)event_calls_init,
+    .tp_dealloc = (destructor)event_calls_dealloc,
+    .tp_methods = event_calls_methods,
+};
+
+static EventCalls *current_event_calls = NULL; /* what new events use (use_event_calls) */
+static PyObject *event_calls_loader = NULL;    /* called when none is set yet: sets one */
+
+/* Raise what `err` of `call` is, through the table's check(); NULL. */
+static PyObject *event_error(EventCalls *calls, const char *call, int err)
+{
+    PyObject *r = PyObject_CallFunction(calls->check, "si", call, err);
+    if (r != NULL) { /* check() returned: it should have raised */
+        Py_DECREF(r);
+        PyErr_Format(PyExc_RuntimeError, "%s failed with error %d", call, err);
+    }
+    return NULL;
+}
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t handle;
+    int device;
+    EventCalls *calls;
+} Event;
+
+static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    int device;
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds) != 0) || !PyArg_ParseTuple(args, "i:Event", &device)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "Event(device_index): no keyword arguments");
+        }
+        return NULL;
+    }
+    if (device < 0) {
+        PyErr_SetString(PyExc_ValueError, "Event: device index < 0");
+        return NULL;
+    }
+    if (current_event_calls == NULL && event_calls_loader != NULL) {
+        PyObject *r = PyObject_CallNoArgs(event_calls_loader);
+        if (r == NULL) {
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    EventCalls *calls = current_event_calls;
+    if (calls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Event: no driver functions (use_event_calls)");
+        return NULL;
+    }
+    Event *self = (Event *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    Py_INCREF(calls);
+    self->calls = calls;
+    self->device = device;
+    if (device < MAX_DEVICES && calls->nfree[device] > 0) {
+        self->handle = (uint64_t)(uintptr_t)calls->free[device][--calls->nfree[device]];
+        return (PyObject *)self;
+    }
+    void *out = NULL;
+    int err = calls->create(&out, calls->flags);
+    if (err) {
+        Py_DECREF(self);
+        return event_error(calls, "cuEventCreate", err);
+    }
+    self->handle = (uint64_t)(uintptr_t)out;
+    return (PyObject *)self;
+}
+
+static void event_dealloc(Event *self)
+{
+    EventCalls *calls = self->calls;
+    if (calls != NULL && self->handle != 0) {
+        int d = self->device;
+        void *handle = (void *)(uintptr_t)self->handle;
+        self->handle = 0;
+        int pooled = 0;
+        if (d < MAX_DEVICES && calls->nfree[d] < calls->max_pooled) {
+            if (calls->nfree[d] == calls->capacity[d]) {
+                Py_ssize_t grown = calls->capacity[d] ? 2 * calls->capacity[d] : 64;
+                void **more = PyMem_Realloc(calls->free[d], (size_t)grown * sizeof(void *));
+                if (more != NULL) {
+                    calls->free[d] = more;
+                    calls->capacity[d] = grown;
+                }
+            }
+            if (calls->nfree[d] < calls->capacity[d]) {
+                calls->free[d][calls->nfree[d]++] = handle;
+                pooled = 1;
+            }
+        }
+        if (!pooled) {
+            calls->destroy(handle); /* nothing to do about a failure here */
+        }
+    }
+    Py_CLEAR(self->calls);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(event_record_doc, "record(stream, /) -> self\n\nRecord on ``stream`` (a raw CUstream).");
+
+static PyObject *event_record(Event *self, PyObject *stream_arg)
+{
+    uint64_t stream;
+    if (as_u64(stream_arg, &stream, "stream") < 0) {
+        return NULL;
+    }
+    int err = self->calls->record((void *)(uintptr_t)self->handle, (void *)(uintptr_t)stream);
+    if (err) {
+        return event_error(self->calls, "cuEventRecord", err);
+    }
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+PyDoc_STRVAR(event_query_doc,
+"query() -> bool\n\n"
+"True once the work recorded before the event has completed, False while it runs. Raises the\n"
+"driver's error (``check``) if that work failed: an asynchronous fault, which leaves the\n"
+"context unusable; the event is settled and what it covers did not land.");
+
+static PyObject *event_query(Event *self, PyObject *Py_UNUSED(ignored))
+{
+    int err = self->calls->query((void *)(uintptr_t)self->handle);
+    if (err == 0) {
+        Py_RETURN_TRUE;
+    }
+    if (err == CUDA_ERROR_NOT_READY) {
+        Py_RETURN_FALSE;
+    }
+    return event_error(self->calls, "cuEventQuery", err);
+}
+
+static PyMethodDef event_methods[] = {
+    {"record", (PyCFunction)event_record, METH_O, event_record_doc},
+    {"query", (PyCFunction)event_query, METH_NOARGS, event_query_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef event_members[] = {
+    {"handle", T_ULONGLONG, offsetof(Event, handle), READONLY, "The raw CUevent."},
+    {"device", T_INT, offsetof(Event, device), READONLY, "The device index it was made for."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(event_doc,
+"Event(device_index)\n\n"
+"A CUDA event of the driver functions :func:`use_event_calls` set, made from their pool of handles\n"
+"of events gone (else by cuEventCreate), recorded and queried in C, its handle back in the pool\n"
+"when it is gone. Reuse is safe: a stream wait or a host function enqueued on an event uses the\n"
+"state it captured then, which a later record does not change.");
+
+static PyTypeObject EventType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload._core.base.piece_copies.Event",
+    .tp_basicsize = sizeof(Event),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = event_doc,
+    .tp_new = event_new,
+    .tp_dealloc = (destructor)event_dealloc,
+    .tp_methods = event_methods,
+    .tp_members = event_members,
+};
+
+PyDoc_STRVAR(use_event_calls_doc,
+"use_event_calls(calls, /) -> EventCalls | None\n\n"
+"New :class:`Event` s use ``calls`` (an :class:`EventCalls`, or None: none); returns those used before.");
+
+static PyObject *use_event_calls(PyObject *self, PyObject *calls)
+{
+    (void)self;
+    if (calls != Py_None && !PyObject_TypeCheck(calls, &EventCallsType)) {
+        PyErr_SetString(PyExc_TypeError, "use_event_calls: an EventCalls or None");
+        return NULL;
+    }
+    PyObject *previous = current_event_calls != NULL ? (PyObject *)current_event_calls : Py_None;
+    Py_INCREF(previous);
+    Py_XDECREF(current_event_calls);
+    if (calls == Py_None) {
+        current_event_calls = NULL;
+    } else {
+        Py_INCREF(calls);
+        current_event_calls = (EventCalls *)calls;
+    }
+    return previous; /* its reference moves to the caller */
+}
+
+PyDoc_STRVAR(set_event_calls_loader_doc,
+"set_event_calls_loader(loader, /) -> None\n\n"
+"``loader()`` is called by the first :class:`Event` made while no :class:`EventCalls` is in use;\n"
+"it calls :func:`use_event_calls`.");
+
+static PyObject *set_event_calls_loader(PyObject *self, PyObject *loader)
+{
+    (void)self;
+    if (!PyCallable_Check(loader)) {
+        PyErr_SetString(PyExc_TypeError, "set_event_calls_loader: a callable");
+        return NULL;
+    }
+    Py_INCREF(loader);
+    Py_XSETREF(event_calls_loader, loader);
+    Py_RETURN_NONE;
+}
+
 /* -- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -846,6 +1154,8 @@ static PyMethodDef methods[] = {
     {"enqueue_runs", (PyCFunction)(void (*)(void))enqueue_runs, METH_FASTCALL, enqueue_runs_doc},
     {"enqueue_ring", (PyCFunction)(void (*)(void))enqueue_ring, METH_FASTCALL, enqueue_ring_doc},
     {"context_status", (PyCFunction)context_status, METH_O, context_status_doc},
+    {"use_event_calls", (PyCFunction)use_event_calls, METH_O, use_event_calls_doc},
+    {"set_event_calls_loader", (PyCFunction)set_event_calls_loader, METH_O, set_event_calls_loader_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -859,18 +1169,22 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit_piece_copies(void)
 {
-    if (PyType_Ready(&ChunkCopiesType) < 0) {
+    if (PyType_Ready(&ChunkCopiesType) < 0 || PyType_Ready(&EventCallsType) < 0 || PyType_Ready(&EventType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;
     }
-    Py_INCREF(&ChunkCopiesType);
-    if (PyModule_AddObject(m, "ChunkCopies", (PyObject *)&ChunkCopiesType) < 0) {
-        Py_DECREF(&ChunkCopiesType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&ChunkCopiesType, &EventCallsType, &EventType};
+    const char *names[] = {"ChunkCopies", "EventCalls", "Event"};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-from ..base.piece_copies import context_status
+from ..base.piece_copies import Event, EventCalls, context_status, set_event_calls_loader, use_event_calls
 
 __all__ = [
     "CudaError", "driver", "check", "primary_context", "context_for", "host_register", "host_unregister", "CopyEntryPoints",
@@ -220,25 +220,26 @@ class EnqueueCalls:
             return prototype(ctypes.c_int, *argtypes)(address)
 
         self._ctx_get_current = self.addresses["cuCtxGetCurrent"] = _proc_address(cu, "cuCtxGetCurrent")
-        self.event_create = resolve("cuEventCreate", _VOID_P, ctypes.c_uint)
-        self.event_destroy = resolve("cuEventDestroy", _VOID_P)
-        self.event_record = resolve("cuEventRecord", _VOID_P, _VOID_P)
-        self.event_query = resolve("cuEventQuery", _VOID_P)
         self.event_synchronize = resolve("cuEventSynchronize", _VOID_P, releasing_gil=True)
         self.stream_wait_event = resolve("cuStreamWaitEvent", _VOID_P, _VOID_P, ctypes.c_uint)
         self.launch_kernel = resolve(
             "cuLaunchKernel", _VOID_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _VOID_P, _VOID_P, _VOID_P,
         )
-        self.addresses["cuLaunchHostFunc"] = _proc_address(cu, "cuLaunchHostFunc")  # called from C only (enqueue_ring)
+        for name in ("cuLaunchHostFunc", "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventQuery"):  # called from C only
+            self.addresses[name] = _proc_address(cu, name)
         self.memset_d32 = resolve("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, _VOID_P)
         # Blocking sync, though nothing of kvoffload's sleeps in cuEventSynchronize on a transfer's way: without
         # it the driver's event thread spent less CPU (measured on an H200: 3-14 us per engine step against
         # 40-110), but the host functions that ring waiting threads ran late (another thread busy: 0.56-0.60
         # of idle against 0.96; a one-block store's call to resume 162 us against 111).
         self.blocking_sync = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        self.free_events: dict[int, list[int]] = {}
-        """Per device: event handles of :class:`DriverEvent` s gone, for the next ones (see there)."""
+        a = self.addresses
+        self.event_calls = EventCalls(
+            a["cuEventCreate"], a["cuEventDestroy"], a["cuEventRecord"], a["cuEventQuery"], self.blocking_sync, MAX_POOLED_EVENTS,
+            check, None,
+        )
+        """What :class:`DriverEvent` s are made, recorded and queried with, and their pool of handles."""
 
     def ensure_context(self, device_index: int) -> None:
         """Make the device's primary context current in this thread if none is (once per thread)."""
@@ -264,91 +265,52 @@ def enqueue_calls() -> EnqueueCalls:
     return EnqueueCalls()
 
 
-CUDA_ERROR_NOT_READY = 600
-
-
 MAX_POOLED_EVENTS = 4096
 """The most event handles kept per device for reuse (the rest are destroyed)."""
 
 
-class DriverEvent:
-    """A blocking-sync CUDA event made, recorded and queried without releasing the GIL.
+class DriverEvent(Event):
+    """A blocking-sync CUDA event made, recorded and queried in C, without releasing the GIL
+    (:class:`~..base.piece_copies.Event`: ``DriverEvent(device_index)``, ``record(stream)``,
+    ``query()``, ``handle``; the driver's functions are :func:`enqueue_calls`' ``event_calls``).
 
-    Quacks like the ``torch.cuda.Event`` the landing watcher asks about: ``query()`` and
-    ``synchronize()`` (which does release the GIL: it is what a waiting thread does).
+    Quacks like the ``torch.cuda.Event`` the landing watcher asks about: ``query()`` (True once the
+    work recorded before it has completed; :class:`CudaError` if that work failed, an asynchronous
+    fault such as an illegal address, which leaves the context unusable: the event is settled,
+    nothing more is written, and what it covers did not land) and ``synchronize()`` (which does
+    release the GIL: it is what a waiting thread does).
 
     Handles are pooled: a gone event's handle is kept for the next one on its device instead of
     destroyed, saving a ``cuEventCreate`` and a ``cuEventDestroy`` per event (every transfer
     records two or three). Reuse is safe once nothing holds the old event: a stream wait or a
     ring enqueued on it uses the state it captured when enqueued, which a later record does not
-    change.
+    change. Made, recorded, queried and given back in C, these cost no Python call of their own
+    (each a few microseconds through ctypes and Python before, on every transfer's way).
     """
 
-    __slots__ = ("handle", "_calls", "_device")
-
-    def __init__(self, device_index: int) -> None:
-        self._calls = enqueue_calls()
-        self._device = device_index
-        free = getattr(self._calls, "free_events", {}).get(device_index)  # a stand-in driver in tests has none
-        if free:
-            try:
-                self.handle: int = free.pop()
-                return
-            except IndexError:  # taken by another thread meanwhile
-                pass
-        out = ctypes.c_void_p(0)
-        err = self._calls.event_create(ctypes.addressof(out), self._calls.blocking_sync)
-        if err:
-            check("cuEventCreate", err)
-        self.handle = out.value or 0
-
-    def record(self, stream: int) -> DriverEvent:
-        """Record on ``stream`` (a raw ``CUstream``); returns self."""
-        err = self._calls.event_record(self.handle, stream)
-        if err:
-            check("cuEventRecord", err)
-        return self
+    __slots__ = ()
 
     def wait_on(self, stream: int) -> None:
         """Make ``stream`` (a raw ``CUstream``) wait for the event, without the host waiting."""
-        self._calls.ensure_context(self._device)
-        self._calls.wait(stream, self.handle)
-
-    def query(self) -> bool:
-        """True once the work recorded before the event has completed, False while it runs.
-
-        Raises :class:`CudaError` if that work failed (an asynchronous error such as an illegal
-        address, which leaves the context unusable): the event is settled, nothing more is written,
-        and what it covers did not land. As ``torch.cuda.Event.query()`` does.
-        """
-        err = self._calls.event_query(self.handle)
-        if err == CUDA_ERROR_NOT_READY:
-            return False
-        if err:
-            check("cuEventQuery", err)
-        return True
+        calls = enqueue_calls()
+        calls.ensure_context(self.device)
+        calls.wait(stream, self.handle)
 
     def synchronize(self) -> None:
         """Block (asleep, the GIL released once: behind a thread busy in Python, each take of
         the GIL may wait a switch interval) until the event has completed.
 
         Raises :class:`CudaError` if the work recorded before it failed, as :meth:`query` does."""
-        self._calls.ensure_context(self._device)
-        err = self._calls.event_synchronize(self.handle)
+        calls = enqueue_calls()
+        calls.ensure_context(self.device)
+        err = calls.event_synchronize(self.handle)
         if err:
             check("cuEventSynchronize", err)
 
-    def __del__(self) -> None:
-        if self.handle:
-            pool = getattr(self._calls, "free_events", None)
-            if pool is not None:
-                free = pool.setdefault(self._device, [])
-                if len(free) < MAX_POOLED_EVENTS:
-                    free.append(self.handle)
-                    self.handle = 0
-                    return
-            try:
-                self._calls.event_destroy(self.handle)
-            except Exception:
-                pass
-            self.handle = 0
+
+def _use_the_drivers_event_calls() -> None:
+    """The first :class:`DriverEvent` made with none in use: the driver's (:func:`enqueue_calls`)."""
+    use_event_calls(enqueue_calls().event_calls)
+
+
+set_event_calls_loader(_use_the_drivers_event_calls)
