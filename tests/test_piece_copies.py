@@ -612,3 +612,55 @@ def test_events_are_made_from_a_bounded_pool_recorded_and_queried_in_c() -> None
             Event(-1)
     finally:
         use_event_calls(previous)
+
+
+def test_chunk_copies_chunk_chooses_direct_or_staged_takes_buffers_in_turn_and_waits_for_their_last_use() -> None:
+    """``ChunkCopies.chunk``: a chunk of at most ``direct_max_copies`` pieces and no cancel flag goes
+    direct; others are staged through the two buffers in turn, on one stream when shorter than
+    ``chunk_blocks``, each buffer's last chunk waited for unless it ended on the stream this one starts
+    on; each returns its own end event, and a failed chunk leaves the buffer's last use as it was."""
+    from kvoffload._core.base.piece_copies import Event, use_event_calls
+
+    _tensors, table, _ = cache_and_table()  # 3 pieces a block
+    events = EventDriver(max_pooled=0)
+    previous = use_event_calls(events.calls)
+    try:
+        driver = StandInDriver(fail=("copies", 5))
+        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        a = ctypes.addressof
+        params = (address(driver._launch), 1234, a(driver.params), a(driver.blocks), 4, len(table), 256, 0,
+                  a(driver.staging), a(driver.gather), a(driver.cancel), a(driver.generation))
+        chunks = ChunkCopies(driver.functions, address(driver._record), address(driver._wait), K, C, BETWEEN, SLOT, table, STAGING,
+                             params, event_type=Event, device=0, direct_max_copies=3, chunk_blocks=4)
+
+        def chunk(to_host: bool, n: int, cancel: int = 0, caller: int | None = None) -> tuple[object, list]:
+            start = len(driver.log)
+            done = chunks.chunk(to_host, 1 << 30, list(range(n)), list(range(10, 10 + n)), caller, cancel, 1 if cancel else 0)
+            return done, driver.log[start:]
+
+        direct, log = chunk(True, 1, caller=0)  # 3 pieces: direct, after the caller's (legacy default) stream
+        assert [e[0] for e in log] == ["record", "wait", "copies", "record"] and log[0] == ("record", BETWEEN, None)  # ctypes: NULL as None
+        assert isinstance(direct, Event) and log[-1] == ("record", direct.handle, C) and len(log[2][2]) == 3
+
+        short, log = chunk(True, 2)  # staged in buffer 0, one stream (shorter than a chunk): no last use yet
+        assert [e[0] for e in log] == ["launch", "copies", "record"] and log[0][1] == C and log[0][6] == STAGING[0]
+
+        full, log = chunk(True, 4)  # buffer 1, both streams
+        assert [e[0] for e in log] == ["launch", "record", "wait", "copies", "record"] and log[0][1] == K and log[0][6] == STAGING[1]
+
+        again, log = chunk(True, 2)  # buffer 0 again: its last use (short) ended on the copy stream, where this one runs
+        assert log[0][0] == "launch" and log[0][6] == STAGING[0], log
+
+        cancellable, log = chunk(False, 1, cancel=777)  # one block but a cancel flag: staged, in buffer 1 after `full`
+        assert log[0] == ("wait", K, full.handle) and log[1][:2] == ("copies", K)
+        assert log[2][0] == "launch" and log[2][6] == STAGING[1] and log[2][8] == 777
+
+        failed, log = chunk(False, 2)  # buffer 0; its copies fail (the 6th batch): what failed comes back
+        assert failed == (9, "copy", 1) and log[-1][0] == "copies"
+        _, log = chunk(False, 2)  # buffer 1: its last use is still `cancellable`, which ended on the kernel stream
+        assert log[0][0] == "copies" and log[0][1] == K, log
+        _, log = chunk(False, 2)  # buffer 0: its last use is `again`, not the failed chunk
+        assert log[0] == ("wait", K, again.handle), log
+        assert len({e.handle for e in (direct, short, full, again, cancellable)}) == 5
+    finally:
+        use_event_calls(previous)

@@ -290,6 +290,18 @@ static PyObject *memcpy_pieces(PyObject *self, PyObject *const *args, Py_ssize_t
 typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);
 
+typedef struct EventCalls EventCalls;
+
+/* A CUDA event (the Event type, below) */
+typedef struct {
+    PyObject_HEAD
+    uint64_t handle;
+    int device;
+    EventCalls *calls;
+} Event;
+
+static PyTypeObject EventType;
+
 /* The calls a chunk needs, by name, for errors: what failed is (error code, call, copy index). */
 enum { CALL_WAIT, CALL_RECORD, CALL_COPY, CALL_LAUNCH, CALL_HOST_FUNC };
 static const char *const call_names[] = {"cuStreamWaitEvent", "cuEventRecord", "copy", "cuLaunchKernel(move_pieces)", "cuLaunchHostFunc"};
@@ -313,16 +325,27 @@ typedef struct {
     uint64_t max_blocks, tensors, threads, max_ctas;
     uint64_t *staging_param, *cancel_param;
     int32_t *gather_param, *generation_param;
+    /* chunk(): the events its chunks end with, and when a chunk is copied direct */
+    PyObject *event_type, *device; /* done events are event_type(device), an Event type */
+    uint64_t direct_max_copies, chunk_blocks;
+    int turn;                  /* the staging buffer the next staged chunk takes */
+    PyObject *staging_free[2]; /* each buffer's last chunk's done event (NULL: none) */
 } ChunkCopies;
 
 static int chunk_copies_init(ChunkCopies *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"copy_fns", "record", "wait", "kernel_stream", "copy_stream", "between", "slot_bytes",
-                            "pieces", "staging", "kernel", NULL};
-    PyObject *fns, *pieces, *staging, *kernel;
-    unsigned long long record, wait, kernel_stream, copy_stream, between, slot_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKKKKKKOOO:ChunkCopies", names, &fns, &record, &wait, &kernel_stream,
-                                     &copy_stream, &between, &slot_bytes, &pieces, &staging, &kernel)) {
+                            "pieces", "staging", "kernel", "event_type", "device", "direct_max_copies", "chunk_blocks", NULL};
+    PyObject *fns, *pieces, *staging, *kernel, *event_type = Py_None;
+    int device = 0;
+    unsigned long long record, wait, kernel_stream, copy_stream, between, slot_bytes, direct_max_copies = 0, chunk_blocks = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKKKKKKOOO|$OiKK:ChunkCopies", names, &fns, &record, &wait, &kernel_stream,
+                                     &copy_stream, &between, &slot_bytes, &pieces, &staging, &kernel, &event_type, &device,
+                                     &direct_max_copies, &chunk_blocks)) {
+        return -1;
+    }
+    if (event_type != Py_None && (!PyType_Check(event_type) || !PyType_IsSubtype((PyTypeObject *)event_type, &EventType))) {
+        PyErr_SetString(PyExc_TypeError, "ChunkCopies: event_type must be an Event type");
         return -1;
     }
     if (self->pieces_owner != NULL) {
@@ -379,6 +402,15 @@ static int chunk_copies_init(ChunkCopies *self, PyObject *args, PyObject *kwds)
     if (pieces_from(pieces, &self->pieces) < 0) {
         return -1;
     }
+    if (event_type != Py_None) {
+        if ((self->device = PyLong_FromLong(device)) == NULL) {
+            PyBuffer_Release(&self->pieces.view);
+            return -1;
+        }
+        Py_INCREF(event_type);
+        self->event_type = event_type;
+    }
+    self->direct_max_copies = direct_max_copies, self->chunk_blocks = chunk_blocks;
     Py_INCREF(pieces);
     self->pieces_owner = pieces;
     return 0;
@@ -386,6 +418,10 @@ static int chunk_copies_init(ChunkCopies *self, PyObject *args, PyObject *kwds)
 
 static void chunk_copies_dealloc(ChunkCopies *self)
 {
+    Py_CLEAR(self->event_type);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->staging_free[0]);
+    Py_CLEAR(self->staging_free[1]);
     if (self->pieces_owner != NULL) {
         PyBuffer_Release(&self->pieces.view);
         Py_CLEAR(self->pieces_owner);
@@ -527,6 +563,10 @@ PyDoc_STRVAR(chunk_copies_copy_doc,
 "first, and so do later chunks of the transfer).\n"
 "Returns None, or what failed: the driver's error code, the call and the index of the copy.");
 
+static PyObject *copy_chunk(ChunkCopies *self, int to_host, int direct, uint64_t host_base, PyObject *rows_arg, PyObject *ids_arg,
+                            uint64_t staging, uint64_t free_event, uint64_t done_event, uint64_t cancel_address, uint64_t generation,
+                            int one_stream, int has_caller, uint64_t caller);
+
 static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs(nargs, 12, "copy") < 0) {
@@ -546,6 +586,15 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         || (one_stream = PyObject_IsTrue(args[10])) < 0 || (has_caller && as_u64(args[11], &caller, "caller_stream") < 0)) {
         return NULL;
     }
+    return copy_chunk(self, to_host, direct, host_base, args[3], args[4], staging, free_event, done_event, cancel_address, generation,
+                      one_stream, has_caller, caller);
+}
+
+/* copy()'s work, its arguments converted: None, what failed, or NULL with an exception set. */
+static PyObject *copy_chunk(ChunkCopies *self, int to_host, int direct, uint64_t host_base, PyObject *rows_arg, PyObject *ids_arg,
+                            uint64_t staging, uint64_t free_event, uint64_t done_event, uint64_t cancel_address, uint64_t generation,
+                            int one_stream, int has_caller, uint64_t caller)
+{
     if (done_event == 0) {
         PyErr_SetString(PyExc_ValueError, "copy: no done event");
         return NULL;
@@ -555,7 +604,7 @@ static PyObject *chunk_copies_copy(ChunkCopies *self, PyObject *const *args, Py_
         return NULL;
     }
     Ints ids, rows;
-    if (ids_and_rows_from(args[4], args[3], &ids, &rows) < 0) {
+    if (ids_and_rows_from(ids_arg, rows_arg, &ids, &rows) < 0) {
         return NULL;
     }
     PyObject *out = NULL;
@@ -617,6 +666,67 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(chunk_copies_chunk_doc,
+"chunk(to_host, host_base, rows, block_ids, caller_stream, cancel_address, generation, /)\n"
+"    -> Event | (error, call, copy_index)\n\n"
+"One chunk of a transfer, as :meth:`copy` enqueues it, the choices made here: copied direct when\n"
+"there is no staging or copy kernel, or when it has at most ``direct_max_copies`` (block, piece)\n"
+"pairs and no cancel flag (``cancel_address`` 0); else staged through the buffers in turn, each\n"
+"buffer's last chunk waited for, on one stream when shorter than ``chunk_blocks`` (a transfer's\n"
+"last or only chunk). Returns the event it ends with (``event_type(device)``), or what failed (the\n"
+"chunk is then not the buffer's last use).");
+
+static PyObject *chunk_copies_chunk(ChunkCopies *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 7, "chunk") < 0) {
+        return NULL;
+    }
+    if (self->pieces_owner == NULL || self->event_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkCopies.chunk: not initialised with an event_type");
+        return NULL;
+    }
+    int to_host;
+    uint64_t host_base, cancel_address, generation, caller = 0;
+    int has_caller = args[4] != Py_None;
+    if ((to_host = PyObject_IsTrue(args[0])) < 0 || as_u64(args[1], &host_base, "host_base") < 0
+        || (has_caller && as_u64(args[4], &caller, "caller_stream") < 0) || as_u64(args[5], &cancel_address, "cancel_address") < 0
+        || as_u64(args[6], &generation, "generation") < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PyObject_Length(args[3]);
+    if (n < 0) {
+        return NULL;
+    }
+    int staged = self->staging[0] != 0 && self->launch != NULL;
+    int direct = !staged || ((uint64_t)n * (uint64_t)self->pieces.n <= self->direct_max_copies && cancel_address == 0);
+    PyObject *done = PyObject_CallOneArg(self->event_type, self->device);
+    if (done == NULL) {
+        return NULL;
+    }
+    int b = 0;
+    uint64_t free_event = 0;
+    if (!direct) {
+        b = self->turn;
+        self->turn ^= 1;
+        if (self->staging_free[b] != NULL) {
+            free_event = ((Event *)self->staging_free[b])->handle;
+        }
+    }
+    PyObject *out = copy_chunk(self, to_host, direct, host_base, args[2], args[3], (uint64_t)b, free_event, ((Event *)done)->handle,
+                               direct ? 0 : cancel_address, direct ? 0 : generation, direct || (uint64_t)n < self->chunk_blocks,
+                               has_caller, caller);
+    if (out != Py_None) { /* what failed, or an exception */
+        Py_DECREF(done);
+        return out;
+    }
+    Py_DECREF(out);
+    if (!direct) {
+        Py_INCREF(done);
+        Py_XSETREF(self->staging_free[b], done);
+    }
+    return done;
+}
+
 /* The one argument of wait() / wait_for_stream(), a handle; 0 with an exception set if bad or uninitialised. */
 static int handle_for(ChunkCopies *self, PyObject *arg, uint64_t *out, const char *what)
 {
@@ -673,6 +783,7 @@ static PyObject *chunk_copies_wait_for_stream(ChunkCopies *self, PyObject *strea
 
 static PyMethodDef chunk_copies_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))chunk_copies_copy, METH_FASTCALL, chunk_copies_copy_doc},
+    {"chunk", (PyCFunction)(void (*)(void))chunk_copies_chunk, METH_FASTCALL, chunk_copies_chunk_doc},
     {"wait", (PyCFunction)chunk_copies_wait, METH_O, chunk_copies_wait_doc},
     {"wait_for_stream", (PyCFunction)chunk_copies_wait_for_stream, METH_O, chunk_copies_wait_for_stream_doc},
     {NULL, NULL, 0, NULL},
@@ -686,6 +797,8 @@ PyDoc_STRVAR(chunk_copies_doc,
 "``staging``: the two staging buffers' addresses (0: none); ``kernel``: None, or (cuLaunchKernel,\n"
 "the function, its parameter array, its Blocks parameter, MAX_BLOCKS, tensors, threads per CTA,\n"
 "max CTAs, then the addresses of its staging, gather, cancel and generation parameters).\n"
+"For :meth:`chunk`: ``event_type`` (an :class:`Event` type) and ``device``, what its chunks' end\n"
+"events are made as; ``direct_max_copies`` and ``chunk_blocks``, its choices.\n"
 "Calls are made one at a time (the caller's lock): the kernel's parameters are written in place.");
 
 static PyTypeObject ChunkCopiesType = {
@@ -851,7 +964,7 @@ typedef int (*event_query_fn)(void *event);
 #define MAX_DEVICES 64
 #define CUDA_ERROR_NOT_READY 600
 
-typedef struct {
+struct EventCalls {
     PyObject_HEAD
     event_create_fn create;
     event_destroy_fn destroy;
@@ -863,7 +976,7 @@ typedef struct {
     PyObject *owner; /* kept alive: what the addresses point into (a stand-in driver's callbacks) */
     void **free[MAX_DEVICES]; /* per device: handles of events gone, for the next ones */
     Py_ssize_t nfree[MAX_DEVICES], capacity[MAX_DEVICES];
-} EventCalls;
+};
 
 static int event_calls_init(EventCalls *self, PyObject *args, PyObject *kwds)
 {
@@ -957,13 +1070,6 @@ static PyObject *event_error(EventCalls *calls, const char *call, int err)
     }
     return NULL;
 }
-
-typedef struct {
-    PyObject_HEAD
-    uint64_t handle;
-    int device;
-    EventCalls *calls;
-} Event;
 
 static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {

@@ -29,8 +29,13 @@ def context_status(ctx_get_current: int, /) -> int: ...
 class ChunkCopies:
     def __init__(
         self, copy_fns: CopyFunctions, record: int, wait: int, kernel_stream: int, copy_stream: int, between: int,
-        slot_bytes: int, pieces: Any, staging: tuple[int, int], kernel: tuple[int, ...] | None,
+        slot_bytes: int, pieces: Any, staging: tuple[int, int], kernel: tuple[int, ...] | None, *,
+        event_type: type[Event] | None = None, device: int = 0, direct_max_copies: int = 0, chunk_blocks: int = 0,
     ) -> None: ...
+    def chunk(
+        self, to_host: bool, host_base: int, rows: Sequence[int], block_ids: Sequence[int], caller_stream: int | None,
+        cancel_address: int, generation: int, /,
+    ) -> Event | tuple[int, str, int]: ...
     def copy(
         self, to_host: bool, direct: bool, host_base: int, rows: Sequence[int], block_ids: Sequence[int], staging: int,
         free_event: int, done_event: int, cancel_address: int, generation: int, one_stream: bool, caller_stream: int | None, /,

@@ -99,7 +99,7 @@ class CudaBlockCopier:
         # ring would come only once that one landed.
         self._ring_streams = tuple(torch.cuda.Stream(device=layout.device) for _ in range(3))
         self._ring_lock = threading.Lock()
-        self._staging_free: list[DriverEvent | None] = [None, None]  # last use of each buffer
+        self._staging_free: list[DriverEvent | None] = [None, None]  # without the copy kernel: last use of each buffer
         self._after_caller: int | None = None
         """The caller's stream that :meth:`wait_for` (None) left for the next chunk to wait for (0: none)."""
         self._turn = 0
@@ -143,6 +143,7 @@ class CudaBlockCopier:
             self._kstream, self._cstream, self._between.handle, layout.slot_bytes, self._piece_table,
             (self._staging[0].data_ptr(), self._staging[1].data_ptr()) if self._staging else (0, 0),
             self._kernel_parameters.for_chunk_copies(gather_ctas) if self._kernel_parameters is not None else None,
+            event_type=DriverEvent, device=self._device_index, direct_max_copies=self.direct_max_copies, chunk_blocks=self.chunk_blocks,
         )
 
     def caller_event(self) -> DriverEvent:
@@ -216,40 +217,30 @@ class CudaBlockCopier:
             self._cancel = (0, 0)
 
     def _chunk(self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
-        """One chunk's copies, enqueued by one C call (:class:`~..base.piece_copies.ChunkCopies`); its
-        completion event (on the copy stream for a store, the kernel stream for a load). A full chunk
-        moves on both streams, so that its gather or scatter overlaps the next chunk's DMA; a shorter
-        one (a small transfer, or a large one's last chunk) and a direct one on the stream its end is
-        recorded on, with no event between the streams: two driver calls fewer."""
+        """One chunk's copies, enqueued by one C call (:meth:`~..base.piece_copies.ChunkCopies.chunk`,
+        which chooses as it enqueues); its completion event (on the copy stream for a store, the kernel
+        stream for a load). A full chunk moves on both streams, so that its gather or scatter overlaps
+        the next chunk's DMA; a shorter one (a small transfer, or a large one's last chunk) and a
+        direct one (at most ``direct_max_copies`` pieces and no cancel flag) on the stream its end is
+        recorded on, with no event between the streams: two driver calls fewer. Without the copy
+        kernel, a staged chunk is gathered or scattered by torch (:meth:`_chunk_by_torch`)."""
+        if self._kernel is None and self._staging and (len(block_ids) * len(self._pieces) > self.direct_max_copies or self._cancel[0]):
+            return self._chunk_by_torch(to_host, block_ids, host, rows)
+        caller, self._after_caller = self._after_caller, None  # :meth:`_take_caller`, inlined: a call fewer per chunk
+        done = self._chunks.chunk(to_host, host.data_ptr(), rows, block_ids, caller, *self._cancel)
+        if done.__class__ is tuple:
+            self._copies.check(done)  # what failed
+        return done  # type: ignore[return-value]
+
+    def _chunk_by_torch(self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> DriverEvent:
+        """A staged chunk without the copy kernel: torch gathers or scatters (a launch per tensor),
+        the DMA of runs of host rows as with it, through the staging buffers in turn (this path's
+        own turn and last uses: ``ChunkCopies`` keeps the copy kernel's)."""
+        self._both_wait_for(self._take_caller())
         done = DriverEvent(self._device_index)
-        caller = self._take_caller()
-        if not self._staging or (len(block_ids) * len(self._pieces) <= self.direct_max_copies and not self._cancel[0]):  # direct
-            failed = self._chunks.copy(to_host, True, host.data_ptr(), rows, block_ids, 0, 0, done.handle, 0, 0, True, caller)
-            if failed is not None:
-                self._copies.check(failed)
-            return done
         b = self._turn
         self._turn ^= 1
         free = self._staging_free[b]
-        if self._kernel is None:
-            self._both_wait_for(caller)
-            self._chunk_by_torch(to_host, block_ids, host, rows, b, free, done)
-        else:
-            failed = self._chunks.copy(  # a chunk short of full is its transfer's last (or only): on one stream
-                to_host, False, host.data_ptr(), rows, block_ids, b, free.handle if free is not None else 0, done.handle, *self._cancel,
-                len(block_ids) < self.chunk_blocks, caller,
-            )
-            if failed is not None:
-                self._copies.check(failed)
-        self._staging_free[b] = done
-        return done
-
-    def _chunk_by_torch(
-        self, to_host: bool, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int], b: int, free: DriverEvent | None,
-        done: DriverEvent,
-    ) -> None:
-        """A staged chunk without the copy kernel: torch gathers or scatters (a launch per tensor),
-        the DMA of runs of host rows as with it."""
         first, second = (self._kstream, self._cstream) if to_host else (self._cstream, self._kstream)
         if free is not None:
             self._calls.wait(first, free.handle)
@@ -265,6 +256,8 @@ class CudaBlockCopier:
         else:
             self._torch_gather_or_scatter(staging, block_ids, gather=False)
         done.record(second)
+        self._staging_free[b] = done
+        return done
 
     def _torch_gather_or_scatter(self, staging: torch.Tensor, block_ids: Sequence[int], gather: bool) -> None:
         """Cache blocks <-> staging rows 0..n-1 by torch, on the kernel stream."""
