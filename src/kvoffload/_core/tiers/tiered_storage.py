@@ -103,13 +103,47 @@ class StorePlan(Job):
     def cleanup(self) -> None:
         """Undo what the store did not finish (idempotent): unwritten spills, unpublished entries.
         Its copies have completed (the workers wait for them before cleaning up)."""
-        if self.finished:
-            return
-        self.finished = True
-        for s in self.reservation.spills:
-            self.index.spill_failed(s)  # no-op for spills that ended
-        if self.published < len(self.reservation.entries):  # the usual store published them all: no lock to take
-            self.index.abort(self.reservation.entries[self.published :])
+        if not self.finished:
+            self.finished = True
+            _give_back_unfinished(self.index, self.reservation, self.published)
+
+
+def _give_back_unfinished(index: BlockIndex, reservation: Reservation, published: int) -> None:
+    """What a reservation's holder did not finish goes back: its unwritten spills, its entries after
+    the first ``published``."""
+    for s in reservation.spills:
+        index.spill_failed(s)  # no-op for spills that ended
+    if published < len(reservation.entries):  # the usual store published them all: no lock to take
+        index.abort(reservation.entries[published:])
+
+
+class FetchedSlots:
+    """A remote load's slots for the keys it fetches from the remote tier: reserved as a store's
+    (never counted as one), published once their blocks are in the cache; what it did not publish
+    goes back with the load's cleanup."""
+
+    __slots__ = ("index", "reservation", "block_ids", "published", "finished")
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self.reservation = Reservation([], [], [])
+        """Filled by :meth:`BlockIndex.reserve` in one step with the index's changes."""
+        self.block_ids: list[int] = []
+        """The cache blocks the fetched keys are loaded into, in the reservation's order."""
+        self.published = 0
+        self.finished = False
+
+    def publish_all(self) -> None:
+        """Every fetched block is in the cache: its entry is visible."""
+        entries = self.reservation.entries
+        self.index.publish(entries[self.published :])
+        self.published = len(entries)
+
+    def cleanup(self) -> None:
+        """Give back what was not published (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            _give_back_unfinished(self.index, self.reservation, self.published)
 
 
 class LoadPlan(Job):
@@ -171,8 +205,8 @@ class RemoteLoadPlan(LoadPlan):
         tensor_names: tuple[str, ...],
     ) -> None:
         super().__init__(index, metrics, tuple(blocks), [], block_bytes, tensor_names)
-        self.fetched = StorePlan(index, metrics, block_bytes, 1)
-        """The remote keys' reservation (never counted as a store)."""
+        self.fetched = FetchedSlots(index)
+        """The remote keys' reservation."""
         self.remote_keys = remote_keys
 
     def cleanup(self) -> None:
@@ -331,7 +365,7 @@ class TieredStorage:
         self.workers.store.wait_for(after)
         await self._capture_evicted_on_disk(plan.reservation)
         if plan.reservation.spills:
-            await self._spill(plan)
+            await self._spill(plan.reservation)
         pairs = [(b, e.slot) for b, e in zip(plan.block_ids, plan.reservation.entries)]
         to_disk = plan.reservation.to_disk
         if to_disk:
@@ -352,11 +386,11 @@ class TieredStorage:
             return None
         return BouncePool.of_rows(self.host.rows, [slot for _, slot in host_pairs], self.chunk_blocks)
 
-    async def _spill(self, plan: StorePlan) -> None:
-        """Write the victims to disk, then wait until no load reads the host slots their heirs take."""
+    async def _spill(self, reservation: Reservation) -> None:
+        """Write a reservation's victims to disk, then wait until no load reads the host slots their heirs take."""
         assert self.host is not None and self.disk is not None
         host = self.host.array
-        spills = plan.reservation.spills
+        spills = reservation.spills
         for group in chunked(spills, self.disk.chunk_blocks):
             try:
                 await self.disk.write_rows(
@@ -447,7 +481,7 @@ class TieredStorage:
         assert remote is not None
         await self._capture_evicted_on_disk(fetched.reservation)
         if fetched.reservation.spills:
-            await self._spill(fetched)
+            await self._spill(fetched.reservation)
         entries, to_disk = fetched.reservation.entries, fetched.reservation.to_disk
         in_host = entries[to_disk:]
         host = self.host
@@ -461,7 +495,7 @@ class TieredStorage:
         if in_host:
             assert host is not None
             await host.copy_out([(e.slot, b) for e, b in zip(in_host, fetched.block_ids[to_disk:])])
-        fetched.publish(len(entries))
+        fetched.publish_all()
         if plan.pins:
             await self._run_load(plan, None)
         return plan.result()
