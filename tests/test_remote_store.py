@@ -14,8 +14,10 @@ import time
 import numpy as np
 import pytest
 import pytest_asyncio
-import redis.asyncio as aredis
-from redis.asyncio.cluster import RedisCluster
+
+pytest.importorskip("redis", reason="the remote tier's tests need redis-py (the redis extra)")
+import redis.asyncio as aredis  # noqa: E402
+from redis.asyncio.cluster import RedisCluster  # noqa: E402
 
 from kvoffload import OffloadError
 from kvoffload._core.base.cache_identity import encode_key
