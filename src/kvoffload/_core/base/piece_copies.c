@@ -561,7 +561,9 @@ PyDoc_STRVAR(chunk_copies_copy_doc,
 "default stream; None: none): the\n"
 "chunk's first stream first waits for the work enqueued there so far (its other stream follows the\n"
 "first, and so do later chunks of the transfer).\n"
-"Returns None, or what failed: the driver's error code, the call and the index of the copy.");
+"Returns None, or what failed: the driver's error code, the call and the index of the copy.\n"
+"The copier calls :meth:`chunk`, which makes these choices and calls the same code; this form\n"
+"takes them as arguments, so that each path's driver calls can be checked on their own.");
 
 static PyObject *copy_chunk(ChunkCopies *self, int to_host, int direct, uint64_t host_base, PyObject *rows_arg, PyObject *ids_arg,
                             uint64_t staging, uint64_t free_event, uint64_t done_event, uint64_t cancel_address, uint64_t generation,

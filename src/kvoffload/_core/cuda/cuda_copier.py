@@ -191,7 +191,7 @@ class CudaBlockCopier:
         return caller
 
     def _both_wait_for(self, caller: int | None) -> None:
-        """Before a copy enqueued other than by ``ChunkCopies.copy``: both streams wait for the work
+        """Before a copy enqueued other than by ``ChunkCopies.chunk``: both streams wait for the work
         enqueued so far on ``caller`` (None: nothing)."""
         if caller is not None:
             failed = self._chunks.wait_for_stream(caller)
