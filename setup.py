@@ -1,6 +1,6 @@
 """The compiled part of kvoffload; everything else is in pyproject.toml.
 
-Four C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
+Five C extensions, built by ``pip install -e .`` or ``pip install .`` with the C compiler and
 Python headers any CPython build machine has (no CUDA toolkit: the driver's entry points are
 resolved at run time). See docs/design.md, *The compiled core*.
 """
@@ -24,6 +24,11 @@ setup(
         Extension(
             "kvoffload._core.base.wake_semaphores",
             sources=["src/kvoffload/_core/base/wake_semaphores.c"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvoffload._core.tiers.index_records",
+            sources=["src/kvoffload/_core/tiers/index_records.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

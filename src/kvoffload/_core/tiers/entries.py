@@ -1,6 +1,9 @@
 """The index's records: each key's :class:`Entry` and its :class:`State`, each tier's slot ownership
 (:class:`Tier`). :class:`~.index.BlockIndex` changes them, under its lock; the module docstring of
-``index.py`` says how."""
+``index.py`` says how. :class:`Entry` is compiled (``index_records.c``, with the per-key steps the
+index makes on every store and load): one key's block, its ``key``, ``state``, ``tier`` and
+``slot`` where loads find it, ``loads`` (running loads and leases that pinned it, for
+``stats().pinned``) and ``clean_slot`` (a READY host entry's clean disk copy, -1: none)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import enum
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from .index_records import Entry, own_slots
 
 __all__ = ["DISK", "HOST", "TIER_NAMES", "VISIBLE", "Entry", "State", "Tier"]
 
@@ -26,22 +31,6 @@ class State(enum.Enum):
 
 VISIBLE = (State.READY, State.SPILLING)
 """The states a lookup finds and a load reads."""
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    """One key's block: its state, and the tier and slot where loads find it."""
-
-    key: Hashable
-    """The key, as the store that made the entry passed it (what the index's dicts hold it under)."""
-    state: State
-    tier: int
-    slot: int
-    loads: int = 0
-    """Running loads and leases that pinned this entry (for ``stats().pinned``)."""
-    clean_slot: int = -1
-    """A READY host entry's clean disk copy: the disk slot it was promoted from, still owned by it and
-    holding its bytes unchanged; -1: none. With ``slot`` (in ``tier``), the slots the entry owns."""
 
 
 @dataclass
@@ -74,10 +63,7 @@ class Tier:
         if slots is None:  # :meth:`claim`, inlined: a call fewer per store
             slots = sorted(self.free[-len(entries):])
             del self.free[-len(entries):]
-        owner = self.owner
-        for e, slot in zip(entries, slots):
-            owner[slot] = e
-            e.slot = slot
+        own_slots(entries, slots, self.owner)
 
     def claim(self, n: int) -> list[int]:
         """Take ``n`` free slots off the free list, in ascending order, owned by nobody yet (until

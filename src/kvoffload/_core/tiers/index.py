@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from ..base.convoy_free_lock import ConvoyFreeLock
 from ..base.errors import CapacityError, MissingKeysError
 from .entries import DISK, HOST, TIER_NAMES, VISIBLE, Entry, State, Tier
+from .index_records import Pin, find_visible, new_entries, pin_entries, publish_entries, reserve_free, unpin_pins
 from .holds import Holds
 from .repair import IndexRepair
 
@@ -93,24 +94,6 @@ class Spill:
     host_slot: int
     disk_slot: int
     ended: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class Pin:
-    """A load's or a lease's hold on one entry's copy: the slot it reads (or will)."""
-
-    entry: Entry
-    tier: int
-    slot: int
-    held: bool = False
-    """True once the slot's reader count includes this pin (set in the same step as the count)."""
-    promote_slot: int = -1
-    """A load's promotion: the free host slot its disk copy is read into, as a reader of it with no
-    owner until :meth:`BlockIndex.promotion_done` gives it to the entry; -1: none (or taken back by a
-    store before the read started). Set, with the slot's reader count, in one step; given back by
-    :meth:`BlockIndex.unpin`."""
-    promoted: bool = False
-    """True once the entry took ``promote_slot`` as its host copy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +172,11 @@ class BlockIndex:
         self._entries: dict[Hashable, Entry] = {}
         """Key -> entry, for every entry but GONE ones."""
         self._tiers = (Tier(host_slots), Tier(disk_slots))
+        self._readers = tuple(t.readers for t in self._tiers)
+        self._owners = tuple(t.owner for t in self._tiers)
+        self._lrus = tuple(t.lru for t in self._tiers)
+        """Per tier, its reader counts, owners and LRU (the same objects as the tiers'): what the compiled
+        per-key steps (``index_records.c``) change."""
         self.has_disk = disk_slots > 0
         """Whether there is a disk tier (without one, no entry or pin is ever on disk)."""
         self._unread_waiters: dict[int, list[Callable[[], object]]] = {}
@@ -354,6 +342,9 @@ class BlockIndex:
         if self.holds.next_expiry <= time.monotonic():  # expired holds make room first (a look: no call while none)
             self.holds.expire()
         with self._lock:
+            host = self._tiers[HOST]
+            if start_copies is None and host.size and reserve_free(keys, self._entries, host.free, host.owner, State.PENDING, HOST, into):
+                return into  # the usual store: every key new, free host slots for all, taken in one step
             new_keys: list[Hashable] = []
             skipped: list[Hashable] = []
             present = self._entries
@@ -408,8 +399,7 @@ class BlockIndex:
                 if direct > len(disk.free):  # room on disk for the first blocks (the look above made sure of it)
                     made = self._make_disk_room(direct - len(disk.free), changed)
                     assert made
-                pending = State.PENDING  # an enum member costs a descriptor call per use: once here
-                entries = [Entry(key, pending, t, -1) for key in new_keys]
+                entries = new_entries(new_keys, State.PENDING, t)
                 if direct:
                     for e in entries[:direct]:
                         e.tier = DISK
@@ -596,12 +586,9 @@ class BlockIndex:
     def publish(self, entries: Iterable[Entry]) -> None:
         """PENDING -> READY for fully written entries (most recently used); a GONE one frees its slot."""
         with self._lock:
-            for e in entries:
-                if e.state is State.PENDING:
-                    e.state = State.READY
-                    self._tiers[e.tier].lru[e.key] = e
-                else:  # discarded while its store ran
-                    self._release(e.tier, e.slot, e)
+            discarded = publish_entries(entries, self._lrus, State.PENDING, State.READY)
+            for e in discarded or ():  # discarded while its store ran
+                self._release(e.tier, e.slot, e)
 
     def abort(self, entries: Iterable[Entry]) -> None:
         """Entries whose store did not finish -> GONE, releasing the slots they own.
@@ -643,58 +630,57 @@ class BlockIndex:
         if self.holds.next_expiry <= time.monotonic():
             self.holds.expire()
         with self._lock:
-            pins, missing = self._pin(keys, [self._entries.get(k) for k in keys], out, taking, self._promote, start_copies)
+            found, missing = find_visible(self._entries, keys, State.READY, State.SPILLING)
+            if taking is not None:  # a lease's held pins stand for their keys, visible or not
+                missing = [k for k, e, t in zip(keys, found, taking) if (e is None or e.state not in VISIBLE) and not (t is not None and t.held)]
+            if not missing:
+                self._pin(found, out, taking, self._promote, start_copies)
         if missing:
             raise MissingKeysError(missing)  # its message shows the keys: their __repr__ runs here, not under the lock
-        return pins
+        return out
 
     def _pin(
-        self, keys: Sequence[Hashable], found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None,
-        promote: bool = False, start_copies: StartCopies | None = None,
-    ) -> tuple[list[Pin], list[Hashable]]:
-        """:meth:`pin`, under the lock: the pins (appended to ``pins``), or nothing pinned and the keys not
-        visible. ``promote``: pins of disk-resident entries take free host slots (:attr:`Pin.promote_slot`);
-        ``start_copies`` as for :meth:`pin`."""
-        held = [t is not None and t.held for t in taking] if taking is not None else [False] * len(keys)
-        visible = VISIBLE
-        missing = [k for k, e, h in zip(keys, found, held) if not h and (e is None or e.state not in visible)]
-        if missing:
-            return pins, missing
+        self, found: list[Entry | None], pins: list[Pin], taking: Sequence[Pin | None] | None = None, promote: bool = False,
+        start_copies: StartCopies | None = None,
+    ) -> None:
+        """:meth:`pin`, under the lock, of entries ``found`` visible (None or not visible only where
+        ``taking`` holds a pin): the pins are appended to ``pins``. ``promote``: pins of disk-resident
+        entries take free host slots (:attr:`Pin.promote_slot`); ``start_copies`` as for :meth:`pin`.
+        Each entry is pinned in one step (``index_records.pin_entries``)."""
         moved: list[tuple[Pin, Pin]] = []
-        tiers = self._tiers
-        host, ready = tiers[HOST], State.READY
-        host_free, host_readers = host.free, host.readers
+        first = len(pins)
+        host_free, host_readers = self._tiers[HOST].free, self._tiers[HOST].readers
         settle: Callable[[], None] | None = None
         try:
-            if start_copies is not None and taking is None:
-                slots = [e.slot for e in found if e.tier == HOST]  # type: ignore[union-attr]  # none missing
-                if len(slots) == len(found):
-                    settle = start_copies(slots)
-            for i, e in enumerate(found):
-                if held[i]:
-                    old = taking[i]  # type: ignore[index]  # held[i] only where taking[i] is a pin
-                    assert old is not None
-                    p = Pin(old.entry, old.tier, old.slot)
-                    moved.append((p, old))
-                    pins.append(p)
-                    p.held, old.held = True, False  # one step: the hold passes from the lease to the load
-                else:
-                    assert e is not None
-                    tier = tiers[e.tier]
-                    p = Pin(e, e.tier, e.slot)
-                    pins.append(p)
-                    tier.readers[e.slot] += 1  # these three in one step: no call, no jump between them
-                    e.loads += 1
-                    p.held = True
-                    tier.lru.move_to_end(e.key)
-                e = p.entry
-                if promote and host_free and p.tier == DISK and e.tier == DISK and e.state is ready:
-                    slot = host_free[-1]
-                    host_readers[slot] += 1  # these five in one step: no call between them
-                    del host_free[-1]
-                    p.promote_slot = slot
-                    self._promoting += 1
-                    self._unstarted[p] = None
+            if taking is None:
+                if start_copies is not None:
+                    slots = [e.slot for e in found if e.tier == HOST]  # type: ignore[union-attr]  # none missing
+                    if len(slots) == len(found):
+                        settle = start_copies(slots)
+                pin_entries(found, pins, self._readers, self._lrus)  # type: ignore[arg-type]  # none missing
+            else:
+                for e, old in zip(found, taking):
+                    if old is not None and old.held:
+                        p = Pin(old.entry, old.tier, old.slot)
+                        moved.append((p, old))
+                        pins.append(p)
+                        p.held, old.held = True, False  # one step: the hold passes from the lease to the load
+                    else:
+                        assert e is not None
+                        pin_entries([e], pins, self._readers, self._lrus)
+            if promote and host_free:
+                ready = State.READY
+                for p in pins[first:]:
+                    e = p.entry
+                    if not host_free:
+                        break
+                    if p.tier == DISK and e.tier == DISK and e.state is ready:
+                        slot = host_free[-1]
+                        host_readers[slot] += 1  # these five in one step: no call between them
+                        del host_free[-1]
+                        p.promote_slot = slot
+                        self._promoting += 1
+                        self._unstarted[p] = None
         except BaseException:  # an interrupt: give back what was pinned so far, and taken holds to their lease
             if settle is not None:  # copies out of the slots: they must have landed before the slots go back
                 settle()
@@ -715,7 +701,6 @@ class BlockIndex:
                         del self._unstarted[p]
                     self._release(HOST, slot, None)
             raise
-        return pins, missing
 
     def start_promotion(self, pins: Iterable[Pin]) -> list[Pin]:
         """The load is about to read the disk copies of ``pins`` into their promotion slots: from now on no
@@ -782,7 +767,7 @@ class BlockIndex:
             if not found:
                 return 0
             self.holds.add(deadline, into)  # first: an interrupt below leaves a hold that expires
-            self._pin([e.key for e in found if e is not None], found, into)  # a lease never promotes
+            self._pin(found, into)  # a lease never promotes
             return len(found)
 
     def unpin(self, pins: Iterable[Pin]) -> None:
@@ -797,15 +782,12 @@ class BlockIndex:
         host = self._tiers[HOST]
         with self._lock:
             try:
-                for p in pins:
-                    if p.held:
-                        p.held = False
-                        tier = self._tiers[p.tier]
-                        tier.readers[p.slot] -= 1  # these three in one step: no call, no jump between them
-                        p.entry.loads -= 1
-                        # the usual last reader: the slot stays its entry's and nobody waits for it
-                        if not tier.readers[p.slot] and (tier.owner[p.slot] is None or self._unread_waiters):
-                            self._last_reader_gone(p.tier, p.slot, ready)
+                # Each held pin let go in one step; the slots whose last reader left unowned, or while heirs
+                # wait for a host slot, and the pins with a promotion slot come back (usually none).
+                left = unpin_pins(pins, self._readers, self._owners, self._unread_waiters)
+                for t, slot in left[0] if left is not None else ():
+                    self._last_reader_gone(t, slot, ready)
+                for p in left[1] if left is not None else ():
                     slot = p.promote_slot
                     if slot >= 0:
                         p.promote_slot = -1  # these four in one step: no call between them
