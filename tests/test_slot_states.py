@@ -36,6 +36,7 @@ from support.caches import random_caches, same_bytes
 from support.figures import report_figure
 from kvoffload._core.tiers.index import DISK, HOST, BlockIndex, Pin, Reservation, State
 from kvoffload._testing import check_index
+from kvoffload import CapacityError
 
 # -- transitions, one by one ------------------------------------------------------------------
 
@@ -328,6 +329,31 @@ def test_slots_freed_in_any_order_go_to_the_next_store_in_ascending_order():
     ix.check()
 
 
+def test_a_store_reserves_alike_whether_its_keys_come_as_a_dict_or_a_list():
+    """The usual store (a dict of new keys, free host slots for all) is reserved in one compiled step;
+    a list, a key already present or too few free slots take the general path: the same entries,
+    slots and skipped keys either way, and nothing changed by a refusal."""
+    for make in (dict.fromkeys, list):
+        ix = BlockIndex(6, 0)
+        store(ix, "x")
+        ix.discard(["x"])
+        r = ix.reserve(make(["c", "a", "b"]))
+        assert [(e.key, e.state, e.tier, e.slot) for e in r.entries] == [
+            ("c", State.PENDING, HOST, 0), ("a", State.PENDING, HOST, 1), ("b", State.PENDING, HOST, 2)]
+        assert r.skipped == [] and r.spills == [] and r.to_disk == 0 and free(ix) == (3, 0)
+        ix.check()
+        r2 = ix.reserve(make(["d", "a"]))  # "a" pending: skipped
+        assert [e.key for e in r2.entries] == ["d"] and r2.skipped == ["a"] and [e.slot for e in r2.entries] == [3]
+        ix.publish(r.entries + r2.entries)
+        ix.check()
+        pins = ix.pin(["a", "b", "c", "d"])  # read by a load: not evictable
+        with pytest.raises(CapacityError):  # three new keys, two free slots
+            ix.reserve(make(["e", "f", "g"]))
+        assert free(ix) == (2, 0) and "e" not in ix
+        ix.unpin(pins)
+        ix.check()
+
+
 # -- the model: random interleavings of the tiers' protocol -------------------------------------
 
 HOST_SLOTS, DISK_SLOTS = 4, 6
@@ -398,7 +424,10 @@ class World:
 
 def store_process(w: World, names: list[str]) -> Generator[object, None, None]:
     """A store, step by step, as tiers/storage.py runs it; cancellable at every yield."""
-    r = w.ix.reserve(w.keys(names))
+    keys = w.keys(names)
+    # A dict (as the facade passes a store's blocks: every key new and free slots for all of them is
+    # reserved in one compiled step) or a list (as the remote tier passes its keys): the general path.
+    r = w.ix.reserve(dict.fromkeys(keys) if w.rng.random() < 0.5 else keys)
     published = 0
     w.version += 1
     tags = {name_of(e.key): (name_of(e.key), w.version) for e in r.entries}
