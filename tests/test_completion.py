@@ -20,7 +20,7 @@ from kvoffload._core.workers.copy_submission import CopyCalls, CopyRequest
 from kvoffload._core.workers.copy_worker import CopyWorker
 from kvoffload._core.workers.job import Job
 from kvoffload._core.workers.landings import LandingWatcher
-from support.standins import StandInCopier, StandInFlag
+from support.standins import StandInCopier, StandInEvent, StandInFlag
 from support.waiting import blocked, HANG_S, spin_until
 
 WORKER = "kvoffload-test-worker"
@@ -237,6 +237,78 @@ def test_a_transfer_waited_for_after_its_copies_landed_ends_in_the_waiting_threa
     rig.look()
     rig.dropped(steps)
     assert steps.landings == [0, 1, 2] and steps.cleanups == 1 and len(steps.ends) == 1
+
+
+class LandsOnQuery(StandInEvent):
+    """A copy that lands while its waiter looks again: complete at its ``n``-th query (never if 0)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.queries = n, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.queries == self.n:
+            self.complete()
+        return super().query()
+
+
+@pytest.mark.parametrize("how", ["await", "result"])
+@pytest.mark.parametrize("lands_soon", [True, False], ids=["lands soon", "large"])
+def test_a_waiter_looks_again_for_a_copy_that_lands_soon_before_it_asks_for_a_ring(quiet_rig, how, lands_soon):
+    """A transfer of one small copy (``Job.lands_soon``) still in flight when a caller awaits it or
+    blocks in ``result()`` is looked at again for a while: if it lands meanwhile, the caller ends it
+    with no ring asked for and no other thread on the way. Any other transfer gets its ring at once."""
+    rig = quiet_rig
+    event = LandsOnQuery(3)
+    rig.copier.to_device = lambda host, rows, block_ids: rig.copier.events.append(event) or event  # type: ignore[method-assign]
+    job = Steps(reports_landings=False)
+    job.lands_soon = lands_soon
+    rig.worker.start(job, None, rig.requests(1))
+    transfer = job.transfer
+
+    async def wait():
+        return await asyncio.wait_for(transfer, 0.2)
+
+    if lands_soon:
+        assert (asyncio.run(wait()) if how == "await" else transfer.result(timeout=0.2)).kind == "store"
+        assert event.queries == 3 and not event.alarmed.is_set() and not rig.copier._held, "a ring asked for"
+        assert job.end_threads == [threading.current_thread().name]
+    else:
+        loop = asyncio.new_event_loop()
+        if how == "await":
+            task = loop.create_task(_await(transfer))
+            loop.run_until_complete(asyncio.sleep(0))  # the task runs up to its await
+        else:
+            with pytest.raises(TimeoutError):  # the held ring never comes, the watcher never looks
+                transfer.result(timeout=0.05)
+        assert event.queries == 1 and rig.copier._held, "no ring asked for at the first look"
+        assert not job.finished.is_set()
+        rig.copier.let_rings_through()
+        event.complete()
+        assert job.finished.wait(HANG_S) and job.end_threads == [WATCHER]
+        if how == "await":
+            assert loop.run_until_complete(task).kind == "store"
+        loop.close()
+
+
+def test_a_waiter_asks_for_a_ring_once_a_copy_that_lands_soon_has_not_landed_after_its_looks(quiet_rig):
+    """The looks again are bounded (``LOOK_AGAIN_S``): a small copy that does not land meanwhile (it
+    waits behind the caller's stream, say) gets its ring, and ends as any other once it lands."""
+    rig = quiet_rig
+    event = LandsOnQuery(0)
+    rig.copier.to_device = lambda host, rows, block_ids: rig.copier.events.append(event) or event  # type: ignore[method-assign]
+    job = Steps(reports_landings=False)
+    job.lands_soon = True
+    rig.worker.start(job, None, rig.requests(1))
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        job.transfer.result(timeout=0.05)
+    assert event.queries > 1 and rig.copier._held, "no ring asked for after the looks"
+    assert time.perf_counter() - t0 < HANG_S
+    rig.copier.let_rings_through()
+    event.complete()
+    assert job.finished.wait(HANG_S) and job.end_threads == [WATCHER]
 
 
 def test_a_one_copy_transfer_ends_when_it_lands_on_the_watchers_thread(rig):

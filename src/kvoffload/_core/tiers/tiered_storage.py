@@ -33,7 +33,7 @@ from ..base.diskfile import DiskIoCounts, IoBatch, IoCalls
 from .hostmem import HostBuffer
 from .index import DISK, HOST, BlockIndex, Pin, Reservation
 from ..workers.copy_worker import CopyWorker, CopyWorkers
-from ..workers.job import Job
+from ..workers.job import LANDS_SOON_BYTES, Job
 from ..base.layout import BlockLayout
 from ..base.sealing import Sealer
 from ..workers.transfer import Transfer, TransferResult
@@ -335,6 +335,7 @@ class TieredStorage:
                 if not reservation.to_disk and not reservation.spills:
                     assert self.host is not None
                     requests = self.host.requests(True, plan.block_ids, [e.slot for e in reservation.entries])
+                    plan.lands_soon = len(plan.block_ids) * self.layout.block_bytes <= LANDS_SOON_BYTES
             worker.start(plan, after, requests, self._run_store)
         except BaseException:
             worker.abandon(plan)
@@ -515,6 +516,7 @@ class TieredStorage:
         if all_host:
             assert self.host is not None
             requests = self.host.requests(False, plan.block_ids, [p.slot for p in plan.pins])
+            plan.lands_soon = len(plan.block_ids) * self.layout.block_bytes <= LANDS_SOON_BYTES
         # The expedited worker takes copies at call time (GPU) or one chunk (CPU) only (its loop runs
         # no task); anything else goes the regular way.
         host_job = requests is not None and (self.layout.is_cuda or len(requests) == 1)

@@ -49,6 +49,13 @@ own is on its way)."""
 
 RECHECK_ASLEEP_S = 0.1
 """A thread asleep until a job's copies land looks again this often, should a ring never come."""
+LANDS_SOON_BYTES = 1 << 20
+"""A transfer of one copy of at most this many bytes lands within about a hop through another thread
+(two wakes of 10-30 us each) once enqueued: a caller that waits for it looks again for a while first
+(:data:`LOOK_AGAIN_S`, :meth:`Job.end_if_landed`)."""
+LOOK_AGAIN_S = 20e-6
+"""How long a caller waiting for a transfer that lands soon looks again, keeping the GIL (an event loop
+blocks meanwhile), before it asks for a ring: less than the hop the ring costs."""
 GIL_TAKEN_AT_ONCE_S = 20e-6
 """A woken thread that waited longer than this to take the GIL back found it held: a free GIL is
 taken in about a microsecond, one held by a thread running Python up to the switch interval later."""
@@ -59,7 +66,7 @@ class Job:
 
     __slots__ = (
         "transfer", "worker", "events", "error", "cancel_flag", "requests", "reports_landings", "next_landing", "stop_at",
-        "ended", "owner", "task", "started", "taken", "sleepers", "watch",
+        "ended", "owner", "task", "started", "taken", "sleepers", "watch", "lands_soon",
     )
 
     def __init__(self, kind: Literal["store", "load"], tensor_names: Sequence[str] = ()) -> None:
@@ -92,6 +99,9 @@ class Job:
         """Wake semaphores of threads blocked in ``result()`` until its copies land: rung at its end too."""
         self.watch = WATCH_LAZILY
         """How the landing watcher follows its copies (``WATCH_*``; set under the watcher's lock)."""
+        self.lands_soon = False
+        """One copy of at most :data:`LANDS_SOON_BYTES`: a caller waiting for it looks again for a while
+        (:meth:`end_if_landed`) before it asks for a ring (set by the plan that makes its copy)."""
 
     # -- the tiers' bookkeeping (their plans override these) -------------------------------
 
@@ -174,17 +184,26 @@ class Job:
         """A copy failed on the device: :meth:`copies_done` with ``error``."""
         return self.copies_done(error)
 
-    def end_if_landed(self) -> bool:
+    def end_if_landed(self, look_again: bool = False) -> bool:
         """From a thread that waits for the job: if it runs on copies submitted at call time and all of
         them have completed, report them and end it here, with no hop through another thread (which may
-        not get the GIL for milliseconds while this one runs Python). True if it ended here."""
+        not get the GIL for milliseconds while this one runs Python). True if it ended here.
+
+        ``look_again`` (a caller about to sleep until the job ends: ``await``, ``result()``): a job that
+        lands soon (:attr:`lands_soon`) is looked at again for up to :data:`LOOK_AGAIN_S` first, since
+        the ring and the wake-ups a sleep costs take longer than its copy."""
         events = self.events
         if self.ended or not events or self.task is not None or self.error is not None or self.transfer._cancel_requested:
             return False
         last = events[-1]
         try:
             if last is not None and not last.query():  # :func:`completed`, inlined: the hot path of every await
-                return False
+                if not (look_again and self.lands_soon):
+                    return False
+                give_up = time.perf_counter() + LOOK_AGAIN_S
+                while not last.query():
+                    if time.perf_counter() > give_up:
+                        return False
         except Exception as e:
             return self.failed(copy_failed(e))
         if self.reports_landings:  # else nothing to report: the job ends now

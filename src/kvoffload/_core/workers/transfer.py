@@ -168,7 +168,7 @@ class Transfer:
         if self._generation != PROCESS.generation:
             self._check_process()
         job = self._job
-        if job is not None and job.end_if_landed():  # :meth:`_finish_if_landed`, inlined: the hot path of every result()
+        if job is not None and job.end_if_landed(True):  # :meth:`_finish_if_landed`, inlined: the hot path of every result()
             return True
         if job is not None:
             if timeout is None:  # copies at call time: the driver rings this thread, which ends it
@@ -224,7 +224,7 @@ class Transfer:
     def __await__(self) -> Generator[Any, None, TransferResult]:
         if self._state == _PENDING:
             job = self._job  # _finish_if_landed, inlined: the hot path of every await
-            if job is None or self._generation != PROCESS.generation or not job.end_if_landed():
+            if job is None or self._generation != PROCESS.generation or not job.end_if_landed(True):
                 # Sleep until the transfer ends (not a coroutine of its own: a frame fewer to enter and resume).
                 if self._generation != PROCESS.generation:
                     self._check_process()
