@@ -95,7 +95,7 @@ static PyObject *entry_repr(EntryObject *e)
 }
 
 static PyMemberDef entry_members[] = {
-    {"key", T_OBJECT_EX, offsetof(EntryObject, key), 0, "The key, as the store that made the entry passed it."},
+    {"key", T_OBJECT_EX, offsetof(EntryObject, key), READONLY, "The key, as the store that made the entry passed it."},
     {"state", T_OBJECT_EX, offsetof(EntryObject, state), 0, "Its State."},
     {"tier", T_PYSSIZET, offsetof(EntryObject, tier), 0, "The tier of its current copy (HOST or DISK)."},
     {"slot", T_PYSSIZET, offsetof(EntryObject, slot), 0, "The slot of its current copy in that tier (-1: none yet)."},
@@ -197,7 +197,7 @@ static PyObject *pin_repr(PinObject *p)
 }
 
 static PyMemberDef pin_members[] = {
-    {"entry", T_OBJECT_EX, offsetof(PinObject, entry), 0, "The entry whose copy it holds."},
+    {"entry", T_OBJECT_EX, offsetof(PinObject, entry), READONLY, "The entry whose copy it holds."},
     {"tier", T_PYSSIZET, offsetof(PinObject, tier), 0, "The tier of the copy it reads."},
     {"slot", T_PYSSIZET, offsetof(PinObject, slot), 0, "The slot it reads (or will)."},
     {"held", T_BOOL, offsetof(PinObject, held), 0,
@@ -555,7 +555,7 @@ static PyObject *publish_entries(PyObject *self, PyObject *const *args, Py_ssize
                 goto fail;
             }
             Py_INCREF(ready);
-            Py_SETREF(e->state, ready);
+            Py_XSETREF(e->state, ready);
         } else {
             if (others == NULL && (others = PyList_New(0)) == NULL) {
                 goto fail;
