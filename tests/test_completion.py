@@ -300,13 +300,17 @@ def test_a_waiter_looks_again_for_a_copy_that_lands_soon_before_it_asks_for_a_ri
 
 def test_a_waiter_asks_for_a_ring_once_a_copy_that_lands_soon_has_not_landed_after_its_looks(quiet_rig):
     """The looks again are bounded (``LOOK_AGAIN_S``): a small copy that does not land meanwhile (it
-    waits behind the caller's stream, say) gets its ring, and ends as any other once it lands."""
+    waits behind the caller's stream, say) gets its ring, and ends as any other once it lands. A
+    ``result(timeout=0)`` looks once."""
     rig = quiet_rig
     event = LandsOnQuery(0)
     job = start_one_copy(rig, event, lands_soon=True)
+    with pytest.raises(TimeoutError):  # a timeout of 0 asks without waiting: one look
+        job.transfer.result(timeout=0)
+    assert event.queries == 1
     with pytest.raises(TimeoutError):
         job.transfer.result(timeout=0.05)
-    assert event.queries > 1 and rig.copier._held, "no ring asked for after the looks"
+    assert event.queries > 2 and rig.copier._held, "no ring asked for after the looks"
     rig.copier.let_rings_through()
     event.complete()
     assert job.finished.wait(HANG_S) and job.end_threads == [WATCHER]

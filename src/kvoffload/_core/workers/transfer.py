@@ -168,7 +168,9 @@ class Transfer:
         if self._generation != PROCESS.generation:
             self._check_process()
         job = self._job
-        if job is not None and job.end_if_landed(True):  # :meth:`_finish_if_landed`, inlined: the hot path of every result()
+        # :meth:`_finish_if_landed`, inlined (the hot path of every result()); a look again for a copy that
+        # lands soon, unless the caller asked not to wait (a timeout of 0)
+        if job is not None and job.end_if_landed(timeout is None or timeout > 0):
             return True
         if job is not None:
             if timeout is None:  # copies at call time: the driver rings this thread, which ends it
