@@ -92,6 +92,61 @@ def test_counts_stay_exact_across_thousands_of_ends_from_several_threads_read_me
         off.close()
 
 
+def test_a_fold_counts_every_end_as_one_observation_per_end_and_phase_would():
+    """The ends' fold (grouped, each phase's durations counted sorted, a bisection per bucket bound)
+    gives exactly the counts, bytes and histograms of observing each end's three phases one by one,
+    on random ends of every kind and outcome, durations on and around the buckets' bounds, some never
+    taken by a worker, and clocks that went backwards (counted as 0)."""
+    import bisect
+    import random
+
+    from kvoffload._core.tiers.stats import LATENCY_BOUNDS, EndTotals
+
+    rng = random.Random(7)
+    for _ in range(50):
+        ends = []
+        for _ in range(rng.randrange(0, 300)):
+            kind = rng.choice(["store", "load"])
+            outcome = rng.choice(["done", "done", "failed", "cancelled", "no result"])
+            keys = tuple(range(rng.randrange(1, 9)))
+            result = kvoffload.TransferResult(kind, keys, (), rng.randrange(1 << 30), 0.0) if outcome == "done" else None
+            started = rng.uniform(0, 100)
+            bound = rng.choice(LATENCY_BOUNDS)
+            taken = None if rng.random() < 0.1 else started + rng.choice([bound, rng.uniform(-1e-3, 1.0), 0.0])
+            now = (taken if taken is not None else started) + rng.choice([bound, rng.uniform(-1e-3, 100.0), 0.0])
+            ends.append((kind, result, outcome == "failed", outcome == "cancelled", started, taken, now,
+                         rng.randrange(1 << 20), rng.randrange(len(keys) + 1) if kind == "load" else 0, rng.random() < 0.9))
+        before = EndTotals().plus(ends[: len(ends) // 3])
+        got = before.plus(ends[len(ends) // 3 :])
+        want: dict = {name: 0 for name in EndTotals.__slots__[:-1]}
+        hist: dict = {}
+        for kind, result, failed, cancelled, started, taken, now, partial, from_disk, counted in ends:
+            outcome = "cancelled" if cancelled else "failed" if failed or result is None else "done"
+            want["ended_in_flight"] += counted
+            want["bytes_stored_partially"] += partial
+            if outcome != "done":
+                want[outcome] += 1
+            elif kind == "store":
+                want["stores"] += 1
+                want["bytes_stored"] += result.nbytes
+            else:
+                want["loads"] += 1
+                want["bytes_loaded"] += result.nbytes
+                want["keys_loaded_from_disk"] += from_disk
+                want["keys_loaded_from_host"] += len(result.keys) - from_disk
+            t = started if taken is None else taken
+            for phase, seconds in enumerate((max(t - started, 0.0), max(now - t, 0.0), max(now - started, 0.0))):
+                counts, total, n = hist.get((kind, outcome, phase), ([0] * (len(LATENCY_BOUNDS) + 1), 0.0, 0))
+                counts[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1
+                hist[(kind, outcome, phase)] = (counts, total + seconds, n + 1)
+        assert {name: getattr(got, name) for name in want} == want
+        assert set(got.latency) == {(k, o) for k, o, _ in hist}
+        for (kind, outcome), phases in got.latency.items():
+            for phase, h in enumerate(phases):
+                counts, total, n = hist[(kind, outcome, phase)]
+                assert (h.counts, h.count) == (counts, n) and h.sum == pytest.approx(total, rel=1e-9, abs=1e-9)
+
+
 def test_latency_quantiles_check_q():
     h = kvoffload.LatencyHistogram(bounds=(1.0, 2.0), counts=(1, 1, 0), sum=2.5, count=2)
     assert h.quantile(0.5) == 1.0 and h.quantile(1) == 2.0 and h.quantile(0) == 1.0
