@@ -8,6 +8,10 @@
  * so a signal handler's exception can land only between calls, never between the fields of one
  * key: ``index.py``'s repair after an interrupt sees each key done or not done.
  *
+ * The records are not tracked by the cyclic garbage collector: an Entry holds its key (native: bytes,
+ * str, int, tuples of them) and its state (a State member), a Pin its entry, so no cycle runs through
+ * them, and a store or load makes a dozen of them without adding to the collector's count.
+ *
  * The tiers' state these steps change is passed in by the caller, as the index holds it: per tier
  * (indexed by the tier's number) a list of reader counts, a list of owners and an OrderedDict of
  * visible entries, least recently used first; the entry states are the ``State`` members.
@@ -34,7 +38,7 @@ static PyTypeObject EntryType;
 
 static EntryObject *entry_make(PyObject *key, PyObject *state, Py_ssize_t tier, Py_ssize_t slot)
 {
-    EntryObject *e = PyObject_GC_New(EntryObject, &EntryType);
+    EntryObject *e = PyObject_New(EntryObject, &EntryType);
     if (e == NULL) {
         return NULL;
     }
@@ -46,7 +50,6 @@ static EntryObject *entry_make(PyObject *key, PyObject *state, Py_ssize_t tier, 
     e->slot = slot;
     e->loads = 0;
     e->clean_slot = -1;
-    PyObject_GC_Track(e);
     return e;
 }
 
@@ -67,25 +70,11 @@ static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)e;
 }
 
-static int entry_traverse(EntryObject *e, visitproc visit, void *arg)
-{
-    Py_VISIT(e->key);
-    Py_VISIT(e->state);
-    return 0;
-}
-
-static int entry_clear(EntryObject *e)
-{
-    Py_CLEAR(e->key);
-    Py_CLEAR(e->state);
-    return 0;
-}
-
 static void entry_dealloc(EntryObject *e)
 {
-    PyObject_GC_UnTrack(e);
-    entry_clear(e);
-    PyObject_GC_Del(e);
+    Py_XDECREF(e->key);
+    Py_XDECREF(e->state);
+    PyObject_Del(e);
 }
 
 static PyObject *entry_repr(EntryObject *e)
@@ -112,11 +101,9 @@ static PyTypeObject EntryType = {
     .tp_doc = "Entry(key, state, tier, slot, loads=0, clean_slot=-1): one key's block: its state, and the tier and slot "
               "where loads find it.",
     .tp_basicsize = sizeof(EntryObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = entry_new,
     .tp_dealloc = (destructor)entry_dealloc,
-    .tp_traverse = (traverseproc)entry_traverse,
-    .tp_clear = (inquiry)entry_clear,
     .tp_repr = (reprfunc)entry_repr,
     .tp_members = entry_members,
 };
@@ -137,7 +124,7 @@ static PyTypeObject PinType;
 
 static PinObject *pin_make(PyObject *entry, Py_ssize_t tier, Py_ssize_t slot)
 {
-    PinObject *p = PyObject_GC_New(PinObject, &PinType);
+    PinObject *p = PyObject_New(PinObject, &PinType);
     if (p == NULL) {
         return NULL;
     }
@@ -148,7 +135,6 @@ static PinObject *pin_make(PyObject *entry, Py_ssize_t tier, Py_ssize_t slot)
     p->held = 0;
     p->promoted = 0;
     p->promote_slot = -1;
-    PyObject_GC_Track(p);
     return p;
 }
 
@@ -171,23 +157,10 @@ static PyObject *pin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)p;
 }
 
-static int pin_traverse(PinObject *p, visitproc visit, void *arg)
-{
-    Py_VISIT(p->entry);
-    return 0;
-}
-
-static int pin_clear(PinObject *p)
-{
-    Py_CLEAR(p->entry);
-    return 0;
-}
-
 static void pin_dealloc(PinObject *p)
 {
-    PyObject_GC_UnTrack(p);
-    pin_clear(p);
-    PyObject_GC_Del(p);
+    Py_XDECREF(p->entry);
+    PyObject_Del(p);
 }
 
 static PyObject *pin_repr(PinObject *p)
@@ -215,11 +188,9 @@ static PyTypeObject PinType = {
     .tp_doc = "Pin(entry, tier, slot, held=False, promote_slot=-1, promoted=False): a load's or a lease's hold on one "
               "entry's copy: the slot it reads (or will).",
     .tp_basicsize = sizeof(PinObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = pin_new,
     .tp_dealloc = (destructor)pin_dealloc,
-    .tp_traverse = (traverseproc)pin_traverse,
-    .tp_clear = (inquiry)pin_clear,
     .tp_repr = (reprfunc)pin_repr,
     .tp_members = pin_members,
 };
