@@ -246,15 +246,18 @@ class EndTotals:
                 t.cancelled += len(group)
             elif outcome == "failed":
                 t.failed += len(group)
-            elif kind == "store":
-                t.stores += len(group)
-                t.bytes_stored += sum([e[1].nbytes for e in group])  # type: ignore[union-attr,misc]  # done: a result
-            else:
-                t.loads += len(group)
-                t.bytes_loaded += sum([e[1].nbytes for e in group])  # type: ignore[union-attr,misc]
-                from_disk = sum([e[8] for e in group])
-                t.keys_loaded_from_disk += from_disk
-                t.keys_loaded_from_host += sum([len(e[1].keys) for e in group]) - from_disk  # type: ignore[union-attr,misc]
+            else:  # done: every end of the group has a result
+                results = [e[1] for e in group if e[1] is not None]
+                nbytes = sum([r.nbytes for r in results])
+                if kind == "store":
+                    t.stores += len(group)
+                    t.bytes_stored += nbytes
+                else:
+                    t.loads += len(group)
+                    t.bytes_loaded += nbytes
+                    from_disk = sum([e[8] for e in group])
+                    t.keys_loaded_from_disk += from_disk
+                    t.keys_loaded_from_host += sum([len(r.keys) for r in results]) - from_disk
             phases = t.latency.get((kind, outcome))
             if phases is None:
                 phases = t.latency[(kind, outcome)] = (_Histogram(), _Histogram(), _Histogram())
