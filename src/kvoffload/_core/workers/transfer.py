@@ -145,7 +145,9 @@ class Transfer:
         :class:`TransferCancelled` if it was cancelled, or the transfer's error (each time with the
         traceback of where it was raised); :class:`ClosedError` in a child forked while it ran.
         Do not call this on a running event loop: await the transfer instead. The thread sleeps
-        with the GIL released until the transfer ends.
+        with the GIL released until the transfer ends (a GPU transfer of one small copy still in
+        flight is first looked at again for up to 20 us, unless ``timeout`` is 0: it lands sooner
+        than a sleep's wake-up).
         """
         if not self._block(timeout):
             raise TimeoutError(f"transfer did not finish within {timeout} s")
