@@ -231,6 +231,16 @@ static int add_to_count(PyObject *list, Py_ssize_t slot, long delta, long *now)
     return 0;
 }
 
+/* 1 and a TypeError unless a function takes ``want`` arguments and got ``nargs``. */
+static int wrong_count(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+    return 1;
+}
+
 static int check_list(PyObject *o, const char *what)
 {
     if (!PyList_Check(o)) {
@@ -250,8 +260,7 @@ PyDoc_STRVAR(find_visible_doc,
 static PyObject *find_visible(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "find_visible takes 4 arguments");
+    if (wrong_count("find_visible", nargs, 4)) {
         return NULL;
     }
     PyObject *entries = args[0], *keys = args[1], *ready = args[2], *spilling = args[3];
@@ -303,8 +312,7 @@ PyDoc_STRVAR(pin_entries_doc,
 static PyObject *pin_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "pin_entries takes 4 arguments");
+    if (wrong_count("pin_entries", nargs, 4)) {
         return NULL;
     }
     PyObject *found = args[0], *pins = args[1], *readers = args[2], *lrus = args[3];
@@ -353,8 +361,7 @@ PyDoc_STRVAR(unpin_pins_doc,
 static PyObject *unpin_pins(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "unpin_pins takes 4 arguments");
+    if (wrong_count("unpin_pins", nargs, 4)) {
         return NULL;
     }
     PyObject *pins = args[0], *readers = args[1], *owners = args[2], *waiters = args[3];
@@ -433,8 +440,7 @@ PyDoc_STRVAR(new_entries_doc,
 static PyObject *new_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "new_entries takes 3 arguments");
+    if (wrong_count("new_entries", nargs, 3)) {
         return NULL;
     }
     if (check_list(args[0], "keys") < 0) {
@@ -467,8 +473,7 @@ PyDoc_STRVAR(own_slots_doc,
 static PyObject *own_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "own_slots takes 3 arguments");
+    if (wrong_count("own_slots", nargs, 3)) {
         return NULL;
     }
     PyObject *entries = args[0], *slots = args[1], *owner = args[2];
@@ -502,8 +507,7 @@ PyDoc_STRVAR(publish_entries_doc,
 static PyObject *publish_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "publish_entries takes 4 arguments");
+    if (wrong_count("publish_entries", nargs, 4)) {
         return NULL;
     }
     PyObject *lrus = args[1], *pending = args[2], *ready = args[3];
@@ -564,8 +568,7 @@ static int by_slot(const void *a, const void *b)
 static PyObject *reserve_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "reserve_free takes 7 arguments");
+    if (wrong_count("reserve_free", nargs, 7)) {
         return NULL;
     }
     PyObject *keys = args[0], *entries = args[1], *free = args[2], *owner = args[3], *pending = args[4], *into = args[6];
