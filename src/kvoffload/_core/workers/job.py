@@ -50,9 +50,9 @@ own is on its way)."""
 RECHECK_ASLEEP_S = 0.1
 """A thread asleep until a job's copies land looks again this often, should a ring never come."""
 LANDS_SOON_BYTES = 1 << 20
-"""A transfer of one copy of at most this many bytes lands within about a hop through another thread
-(two wakes of 10-30 us each) once enqueued: a caller that waits for it looks again for a while first
-(:data:`LOOK_AGAIN_S`, :meth:`Job.end_if_landed`)."""
+"""A transfer of at most this many bytes (one chunk, one copy unless per tensor) lands within about a
+hop through another thread (two wakes of 10-30 us each) once enqueued: a caller that waits for it
+looks again for a while first (:data:`LOOK_AGAIN_S`, :meth:`Job.end_if_landed`)."""
 LOOK_AGAIN_S = 20e-6
 """How long a caller waiting for a transfer that lands soon looks again, keeping the GIL (an event loop
 blocks meanwhile), before it asks for a ring: less than the hop the ring costs."""
@@ -100,8 +100,9 @@ class Job:
         self.watch = WATCH_LAZILY
         """How the landing watcher follows its copies (``WATCH_*``; set under the watcher's lock)."""
         self.lands_soon = False
-        """One copy of at most :data:`LANDS_SOON_BYTES`: a caller waiting for it looks again for a while
-        (:meth:`end_if_landed`) before it asks for a ring (set by the plan that makes its copy)."""
+        """At most :data:`LANDS_SOON_BYTES` between the cache and host slots: a caller waiting for it looks
+        again for a while (:meth:`end_if_landed`) before it asks for a ring (set by the plan that makes
+        its copies)."""
 
     # -- the tiers' bookkeeping (their plans override these) -------------------------------
 
