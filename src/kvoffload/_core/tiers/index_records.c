@@ -199,7 +199,7 @@ static PyTypeObject PinType = {
 
 static PyObject *str_move_to_end, *str_entries;
 
-/* The per-tier item ``t`` of the tuple ``per_tier``, of ``type`` (a list or a dict): borrowed. */
+/* Tier ``t``'s item of the tuple ``per_tier`` (its reader counts, owners or LRU: ``what``), borrowed. */
 static PyObject *tier_item(PyObject *per_tier, Py_ssize_t t, const char *what)
 {
     if (!PyTuple_Check(per_tier) || t < 0 || t >= PyTuple_GET_SIZE(per_tier)) {
@@ -231,14 +231,15 @@ static int add_to_count(PyObject *list, Py_ssize_t slot, long delta, long *now)
     return 0;
 }
 
-/* 1 and a TypeError unless a function takes ``want`` arguments and got ``nargs``. */
-static int wrong_count(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+/* 0, or -1 and a TypeError unless a function that takes ``want`` arguments got them (piece_copies.c's
+ * twin: each extension builds on its own). */
+static int check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *name)
 {
-    if (nargs == want) {
-        return 0;
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
     }
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
-    return 1;
+    return 0;
 }
 
 static int check_list(PyObject *o, const char *what)
@@ -260,7 +261,7 @@ PyDoc_STRVAR(find_visible_doc,
 static PyObject *find_visible(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("find_visible", nargs, 4)) {
+    if (check_nargs(nargs, 4, "find_visible") < 0) {
         return NULL;
     }
     PyObject *entries = args[0], *keys = args[1], *ready = args[2], *spilling = args[3];
@@ -312,7 +313,7 @@ PyDoc_STRVAR(pin_entries_doc,
 static PyObject *pin_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("pin_entries", nargs, 4)) {
+    if (check_nargs(nargs, 4, "pin_entries") < 0) {
         return NULL;
     }
     PyObject *found = args[0], *pins = args[1], *readers = args[2], *lrus = args[3];
@@ -361,7 +362,7 @@ PyDoc_STRVAR(unpin_pins_doc,
 static PyObject *unpin_pins(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("unpin_pins", nargs, 4)) {
+    if (check_nargs(nargs, 4, "unpin_pins") < 0) {
         return NULL;
     }
     PyObject *pins = args[0], *readers = args[1], *owners = args[2], *waiters = args[3];
@@ -440,7 +441,7 @@ PyDoc_STRVAR(new_entries_doc,
 static PyObject *new_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("new_entries", nargs, 3)) {
+    if (check_nargs(nargs, 3, "new_entries") < 0) {
         return NULL;
     }
     if (check_list(args[0], "keys") < 0) {
@@ -473,7 +474,7 @@ PyDoc_STRVAR(own_slots_doc,
 static PyObject *own_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("own_slots", nargs, 3)) {
+    if (check_nargs(nargs, 3, "own_slots") < 0) {
         return NULL;
     }
     PyObject *entries = args[0], *slots = args[1], *owner = args[2];
@@ -507,7 +508,7 @@ PyDoc_STRVAR(publish_entries_doc,
 static PyObject *publish_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("publish_entries", nargs, 4)) {
+    if (check_nargs(nargs, 4, "publish_entries") < 0) {
         return NULL;
     }
     PyObject *lrus = args[1], *pending = args[2], *ready = args[3];
@@ -568,7 +569,7 @@ static int by_slot(const void *a, const void *b)
 static PyObject *reserve_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (wrong_count("reserve_free", nargs, 7)) {
+    if (check_nargs(nargs, 7, "reserve_free") < 0) {
         return NULL;
     }
     PyObject *keys = args[0], *entries = args[1], *free = args[2], *owner = args[3], *pending = args[4], *into = args[6];
