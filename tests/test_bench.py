@@ -147,6 +147,17 @@ def test_the_step_cost_script_times_steps_on_the_gpu_path_with_the_gpu_stood_in_
     assert calls.returncode == 0 and m and 20 < float(m[1]) < 200, calls.stdout + calls.stderr
 
 
+def test_the_transfer_calls_script_counts_each_kind_of_transfer_in_every_thread():
+    script = ROOT / "scripts" / "transfer_calls.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--transfers", "20"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    counts = dict(re.findall(r"^(.+): ([\d.]+) Python calls inside kvoffload", proc.stdout, re.M))
+    assert set(counts) == {"one-block store, awaited", "8-block load, awaited", "one-block store, result() in another thread"}, proc.stdout
+    # A transfer's calls, whichever thread makes them: far from none, and far from the 200 and more
+    # of a one-block store plus an 8-block load before the hot path was put in one piece.
+    assert all(20 < float(n) < 200 for n in counts.values()), proc.stdout
+
+
 def test_the_ab_script_runs_two_trees_benches_in_turn_and_shows_each_row_side_by_side():
     script = ROOT / "scripts" / "bench_ab.py"
     proc = subprocess.run([sys.executable, str(script), "--other", "HEAD", "--rounds", "2", "--timeout", "120", "--",
