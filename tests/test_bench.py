@@ -53,6 +53,11 @@ def test_bench_command_small(tmp_path):
         equal = data["extra"]["app_thread_equal_work"]
         assert equal["paced_at_per_s"] == max(paced["baseline_stores_per_s"], 1.0)
         assert rows["Python loop beside one-block stores, equal work"]["ceiling"] > 0
+    # the loop's time lost per store done, each system's: its share short of 1 over the stores it completed
+    for system in ("kvoffload", "baseline"):
+        share = paced[f"loop_beside_{system}_its"] / paced["loop_alone_its"]
+        expected = (1 - share) * 1e6 / max(paced[f"{system}_stores_per_s"], 1.0)
+        assert abs(paced[f"{system}_loop_us_per_store"] - expected) <= 1e-6 * max(1.0, abs(expected))
     # where the engine step's time goes, per variant: the system's calls, its waits, the step's own Python
     parts = data["extra"]["engine_loop"]["3ms"]
     # (the step's Python is a fixed number of turns calibrated once: its time follows the machine's drift, so no

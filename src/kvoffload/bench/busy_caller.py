@@ -100,6 +100,12 @@ def paced_stores(issue: Callable[[int, int], None], per_s: float | None, burst: 
     return step
 
 
+def loop_time_per_store(loop: float, alone: float, stores_per_s: float) -> float:
+    """The loop's time lost per store done, in microseconds: what the stores took from it (its share
+    of alone short of 1) per store they completed; the share's noise makes it negative at times."""
+    return (1.0 - loop / alone) * 1e6 / max(stores_per_s, 1.0)
+
+
 def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: ModuleType, seconds: float = 2.0,
                         per_s: float = 5000.0, slots: int = 64, rounds: int = 4) -> None:
     """An application's own Python (a pure-Python loop on the main thread) while another thread drives
@@ -112,7 +118,8 @@ def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: Modul
     speed alone in the same round, times the median alone: the machine's speed drifts by tens of
     percent within seconds. The baseline's waits cost it a switch interval each, so it completes far
     fewer stores than it is paced at; a third row paces kvoffload at what the baseline completed, so
-    that the two are also compared at equal work."""
+    that the two are also compared at equal work, and each row's note gives the loop's time lost per
+store done (:func:`loop_time_per_store`)."""
     rep.begin(f"application thread: a Python loop beside one-block stores ({lay.block_bytes >> 10} KiB) "
               f"from another thread, {per_s:,.0f}/s and unpaced, vs the loop alone")
     caches = lay.cache(slots, dev)
@@ -160,8 +167,12 @@ def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: Modul
                     "loop_alone_its": alone, "loop_beside_kvoffload_its": kvo_loop, "kvoffload_stores_per_s": kvo_stores,
                     "loop_beside_baseline_its": b_loop, "baseline_stores_per_s": b_stores,
                 }
+                kvo_cost, b_cost = loop_time_per_store(kvo_loop, alone, kvo_stores), loop_time_per_store(b_loop, alone, b_stores)
+                rep.extra[f"app_thread_{'paced' if pace else 'unpaced'}"].update(
+                    kvoffload_loop_us_per_store=kvo_cost, baseline_loop_us_per_store=b_cost)
                 rep.row(f"Python loop beside {label}", "it/s", kvo_loop, alone, b_loop,
                         note=f"ceiling = the loop alone; stores/s done: kvoffload {kvo_stores:,.0f}, baseline {b_stores:,.0f}; "
+                             f"the loop's time lost per store done: kvoffload {kvo_cost:,.0f} us, baseline {b_cost:,.0f} us; "
                              f"medians of {rounds} rounds")
                 if pace and b_stores < 0.9 * pace:  # the baseline fell behind: compare at the work it did
                     equal = max(b_stores, 1.0)
