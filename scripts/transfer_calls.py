@@ -40,6 +40,7 @@ class CallCounter:
         self.calls = 0
 
     def hook(self, frame: FrameType, event: str, arg: Any) -> None:
+        """The profile hook: counts each Python call into kvoffload's files (not the bench's)."""
         if self.on and event == "call":
             name = frame.f_code.co_filename
             if "kvoffload" in name and "bench" not in name:
@@ -47,6 +48,7 @@ class CallCounter:
 
 
 def caches_for(block: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """A 64-block cache: one 64 KiB tensor (``small``) or the bench's default layout (``layout``)."""
     if block == "layout":
         return Layout().cache(64, device)
     return {"k": torch.zeros((64, 64 << 10), dtype=torch.uint8, device=device)}
