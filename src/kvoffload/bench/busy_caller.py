@@ -119,7 +119,7 @@ def app_thread_scenario(rep: Report, lay: Layout, dev: torch.device, base: Modul
     percent within seconds. The baseline's waits cost it a switch interval each, so it completes far
     fewer stores than it is paced at; a third row paces kvoffload at what the baseline completed, so
     that the two are also compared at equal work, and each row's note gives the loop's time lost per
-store done (:func:`loop_time_per_store`)."""
+    store done (:func:`loop_time_per_store`)."""
     rep.begin(f"application thread: a Python loop beside one-block stores ({lay.block_bytes >> 10} KiB) "
               f"from another thread, {per_s:,.0f}/s and unpaced, vs the loop alone")
     caches = lay.cache(slots, dev)
@@ -163,13 +163,12 @@ store done (:func:`loop_time_per_store`)."""
                                        "baseline": lambda: paced_stores(baseline_stores, pace)})
                 (kvo_loop, kvo_stores), (b_loop, b_stores) = by["kvoffload"], by["baseline"]
                 label = f"{pace:,.0f} one-block stores/s" if pace else "one-block stores, unpaced"
+                kvo_cost, b_cost = loop_time_per_store(kvo_loop, alone, kvo_stores), loop_time_per_store(b_loop, alone, b_stores)
                 rep.extra[f"app_thread_{'paced' if pace else 'unpaced'}"] = {
                     "loop_alone_its": alone, "loop_beside_kvoffload_its": kvo_loop, "kvoffload_stores_per_s": kvo_stores,
                     "loop_beside_baseline_its": b_loop, "baseline_stores_per_s": b_stores,
+                    "kvoffload_loop_us_per_store": kvo_cost, "baseline_loop_us_per_store": b_cost,
                 }
-                kvo_cost, b_cost = loop_time_per_store(kvo_loop, alone, kvo_stores), loop_time_per_store(b_loop, alone, b_stores)
-                rep.extra[f"app_thread_{'paced' if pace else 'unpaced'}"].update(
-                    kvoffload_loop_us_per_store=kvo_cost, baseline_loop_us_per_store=b_cost)
                 rep.row(f"Python loop beside {label}", "it/s", kvo_loop, alone, b_loop,
                         note=f"ceiling = the loop alone; stores/s done: kvoffload {kvo_stores:,.0f}, baseline {b_stores:,.0f}; "
                              f"the loop's time lost per store done: kvoffload {kvo_cost:,.0f} us, baseline {b_cost:,.0f} us; "
